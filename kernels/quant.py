@@ -1,0 +1,67 @@
+"""Block-scaled number formats of the DeepSeek-V4 checkpoints (torch references).
+
+- FP8 weights: float8_e4m3fn values with one scale per 128x128 block (`weight_scale_inv` in HF's
+  fine-grained FP8 format, `scale` in the original release), real = value * scale.
+- MXFP4 experts: E2M1 values packed two per byte (low nibble = even index) with one power-of-two
+  E8M0 scale per 32 values along the input dim.
+The quantizers exist for building test checkpoints; serving only dequantizes.
+"""
+
+import torch
+
+FP8_BLOCK = 128
+MXFP4_BLOCK = 32
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _as_float_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales may arrive as float8_e8m0fnu or as raw uint8 exponents (bias 127)."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127)
+    return scale.to(torch.float32)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """[out, in] fp8 values and [ceil(out/block), ceil(in/block)] scales -> float32 [out, in]."""
+    out_dim, in_dim = weight.shape[-2:]
+    scale = _as_float_scales(scale)
+    expanded = scale.repeat_interleave(block, dim=-2)[..., :out_dim, :]
+    expanded = expanded.repeat_interleave(block, dim=-1)[..., :in_dim]
+    return weight.to(torch.float32) * expanded
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of dequantize_fp8_blocks: per-block amax / 448 scales."""
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[:out_dim, :in_dim] = weight.float()
+    blocks = padded.view(rows, block, cols, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    values = (blocks / scale[:, None, :, None]).view(rows * block, cols * block)[:out_dim, :in_dim]
+    return values.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
+    """[..., in/2] packed bytes and [..., in/block] E8M0 scales -> float32 [..., in]."""
+    raw = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    low, high = (raw & 0x0F).long(), (raw >> 4).long()
+    codes = torch.stack((low, high), dim=-1).flatten(-2)
+    values = E2M1_VALUES.to(raw.device)[codes]
+    return values * _as_float_scales(scale).repeat_interleave(block, dim=-1)
+
+
+def quantize_mxfp4(weight: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest E2M1 with a power-of-two scale per block; returns (packed uint8, uint8 exponents)."""
+    w = weight.float()
+    blocks = w.view(*w.shape[:-1], -1, block)
+    amax = blocks.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    magnitudes = E2M1_VALUES[:8]
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    codes = codes + 8 * (scaled < 0).long() * (codes > 0).long()
+    codes = codes.view(*w.shape[:-1], -1, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)

@@ -1,0 +1,18 @@
+"""DeepSeek-V4 model definitions, checkpoint loading and the tiny default checkpoint."""
+
+from models.batch import ForwardBatch, SequenceChunk
+from models.cache import ModelCache
+from models.config import ConfigError, ModelConfig
+from models.loader import CheckpointError, load_model
+from models.model import DeepseekV4
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DeepseekV4",
+    "ForwardBatch",
+    "ModelCache",
+    "ModelConfig",
+    "SequenceChunk",
+    "load_model",
+]

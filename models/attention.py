@@ -1,0 +1,137 @@
+"""DeepSeek-V4 attention: shared-KV MQA over a sliding window plus, on CSA / HCA layers, pooled
+(compressed) entries, with a learned per-head sink and a grouped low-rank output projection.
+
+K = V: one `head_dim` vector per token serves as key and value. RoPE rotates the trailing
+`rope_head_dim` channels of q and kv; because V carries that rotation, the output's rope channels
+are rotated back by the query position. Sliding layers use the `main` rope; compressed layers use the
+`compress` rope for everything, including their window branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.batch import ForwardBatch, SequenceChunk
+from models.cache import LayerCache
+from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
+from models.config import CSA, HCA, ModelConfig
+from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: each of `groups` slices of the input gets its own [rank, in/groups] map."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.view(x.shape[0], self.groups, -1)
+        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.head_dim, self.window = c.num_heads, c.head_dim, c.sliding_window
+        self.eps = c.rms_norm_eps
+        self.kind = c.layer_types[layer]
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        rate = c.compress_rates[layer]
+        if self.kind == CSA:
+            indexer = Indexer(
+                c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, rate, c.rms_norm_eps
+            )
+            self.compressor = CompressedSparseCompressor(
+                c.hidden_size, c.q_lora_rank, c.head_dim, rate, c.rms_norm_eps, indexer
+            )
+        elif self.kind == HCA:
+            self.compressor = HeavilyCompressedCompressor(c.hidden_size, c.head_dim, rate, c.rms_norm_eps)
+        else:
+            self.compressor = None
+        self.rope = RotaryTable(c.main_rope if self.compressor is None else c.compress_rope)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        cos, sin = self.rope(batch.positions)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if self.compressor is not None:
+            self.compressor.update(x, batch, cache.compressor, self.rope)
+            if self.kind == CSA:
+                self.compressor.indexer.update(x, batch, cache.indexer, self.rope)
+        out = torch.empty_like(q)
+        for chunk in batch.chunks:
+            rows = chunk.rows
+            out[rows] = self._attend_chunk(chunk, x[rows], q_residual[rows], q[rows], kv[rows], cache, cos[rows], sin[rows])
+        out = apply_rope(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.flatten(1)))
+
+    def _attend_chunk(
+        self,
+        chunk: SequenceChunk,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        cache: LayerCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        keys, bias = self._window_keys(chunk, kv, cache.window)
+        if self.compressor is not None:
+            entries, visible = self._compressed_keys(chunk, x, q_residual, cache, cos, sin)
+            keys = torch.cat([keys, entries])
+            bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
+        scores = torch.einsum("nhd,kd->hnk", q, keys) * self.head_dim**-0.5 + bias[None]
+        sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, chunk.length, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+        return torch.einsum("hnk,kd->nhd", probs.to(keys.dtype), keys)
+
+    def _window_keys(self, chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of positions [p0 - window + 1, p1) and the additive mask keeping (t - window, t] per query;
+        then stores the chunk's last `window` entries in the slot's ring."""
+        p0, p1, w = chunk.position, chunk.end_position, self.window
+        past = torch.arange(max(0, p0 - w + 1), p0)
+        keys = torch.cat([ring[chunk.slot, past % w], kv])
+        key_positions = torch.cat([past, torch.arange(p0, p1)])
+        query_positions = torch.arange(p0, p1)[:, None]
+        allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
+        bias = torch.zeros(allowed.shape, dtype=kv.dtype).masked_fill(~allowed, float("-inf"))
+        stored = torch.arange(max(p0, p1 - w), p1)
+        ring[chunk.slot, stored % w] = kv[stored - p0]
+        return keys, bias
+
+    def _compressed_keys(
+        self,
+        chunk: SequenceChunk,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        cache: LayerCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rate = self.compressor.rate
+        n_entries = chunk.end_position // rate
+        entries = cache.compressor.entries[chunk.slot, :n_entries]
+        if self.kind == CSA:
+            visible = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
+        else:
+            positions = torch.arange(chunk.position, chunk.end_position)
+            visible = torch.arange(n_entries)[None, :] < ((positions + 1) // rate)[:, None]
+        return entries, visible

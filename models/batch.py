@@ -1,0 +1,61 @@
+"""What one forward step runs: a flat batch of tokens from several sequences.
+
+Each sequence contributes one contiguous chunk of new tokens (a prefill chunk or one decode token)
+whose positions continue what its cache slot already holds. This is the per-step metadata the
+attention layers read; it travels as one object instead of through every layer's signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    slot: int  # cache slot of the sequence
+    start: int  # first row of this chunk in the flat token batch
+    length: int  # new tokens
+    position: int  # position of the first new token == tokens the slot already holds
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+    @property
+    def end_position(self) -> int:
+        return self.position + self.length
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    chunks: tuple[SequenceChunk, ...]
+    logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are wanted
+
+    @classmethod
+    def build(
+        cls, sequences: list[tuple[int, list[int], int]], logits: str | list[list[int]] = "last"
+    ) -> "ForwardBatch":
+        """sequences: (slot, new token ids, cached length). logits: "last", "all", or rows per sequence
+        relative to each chunk."""
+        chunks, ids, positions, rows = [], [], [], []
+        for index, (slot, tokens, cached) in enumerate(sequences):
+            chunk = SequenceChunk(slot=slot, start=len(ids), length=len(tokens), position=cached)
+            chunks.append(chunk)
+            ids.extend(tokens)
+            positions.extend(range(cached, cached + len(tokens)))
+            if logits == "last":
+                rows.append(chunk.start + chunk.length - 1)
+            elif logits == "all":
+                rows.extend(range(chunk.start, chunk.start + chunk.length))
+            else:
+                rows.extend(chunk.start + r for r in logits[index])
+        return cls(
+            token_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            chunks=tuple(chunks),
+            logits_rows=torch.tensor(rows, dtype=torch.long),
+        )

@@ -1,0 +1,132 @@
+"""Window poolers of the compressed attention branches (CSA and HCA) and the lightning indexer.
+
+A pooler projects every token to (kv, gate), and each time a window of `rate` tokens closes it emits
+one entry: the softmax(gate + position_bias)-weighted sum of the window's kv, RMS-normed, with RoPE
+at the window's first position. The overlapping form (CSA and its indexer) projects twice the width:
+entry w pools the first half ("Ca") of window w-1 together with the second half ("Cb") of window w,
+so entry 0 has only Cb. Entry w becomes visible to a query at position t once t >= w*rate + rate - 1.
+
+Decode never recomputes the prefix: raw projections of windows that are not closed yet (and, for
+the overlap, the previous window) live in a per-slot ring, and entries are appended to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import stable_topk
+from models.batch import ForwardBatch, SequenceChunk
+from models.cache import PoolerCache
+from models.layers import RMSNorm, RotaryTable, apply_rope
+
+
+class WindowPooler(nn.Module):
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(head_dim, eps)
+
+    def update(self, x: torch.Tensor, batch: ForwardBatch, cache: PoolerCache, rope: RotaryTable) -> None:
+        """Adds the chunk tokens' projections to each slot and appends the entries of closed windows."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        for chunk in batch.chunks:
+            self._update_chunk(chunk, kv[chunk.rows], gate[chunk.rows], cache, rope)
+
+    def _update_chunk(
+        self, chunk: SequenceChunk, kv: torch.Tensor, gate: torch.Tensor, cache: PoolerCache, rope: RotaryTable
+    ) -> None:
+        rate, p0, p1 = self.rate, chunk.position, chunk.end_position
+        first_window, end_window = p0 // rate, p1 // rate  # windows [first, end) close in this chunk
+        history_start = max(0, (first_window - (1 if self.overlap else 0)) * rate)
+        kept = torch.arange(history_start, p0) % cache.ring
+        all_kv = torch.cat([cache.raw_kv[chunk.slot, kept], kv])  # positions [history_start, p1)
+        all_gate = torch.cat([cache.raw_gate[chunk.slot, kept], gate])
+        new_rows = torch.arange(max(p0, p1 - cache.ring), p1)
+        cache.raw_kv[chunk.slot, new_rows % cache.ring] = kv[new_rows - p0]
+        cache.raw_gate[chunk.slot, new_rows % cache.ring] = gate[new_rows - p0]
+        if end_window > first_window:
+            entries = self._pool(all_kv, all_gate, history_start, first_window, end_window)
+            positions = torch.arange(first_window, end_window) * rate
+            cos, sin = rope(positions)
+            cache.entries[chunk.slot, first_window:end_window] = apply_rope(entries, cos, sin)
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, offset: int, first: int, end: int) -> torch.Tensor:
+        rate, dim = self.rate, self.head_dim
+        windows = torch.arange(first, end)
+        rows = windows[:, None] * rate + torch.arange(rate)[None, :] - offset  # [n, rate]
+        bias = self.position_bias
+        if not self.overlap:
+            slot_kv, slot_gate = kv[rows], gate[rows] + bias
+        else:
+            current_kv, current_gate = kv[rows][..., dim:], gate[rows][..., dim:] + bias[:, dim:]
+            prev_rows = (rows - rate).clamp(min=0)
+            prev_kv, prev_gate = kv[prev_rows][..., :dim], gate[prev_rows][..., :dim] + bias[:, :dim]
+            no_prev = (windows == 0)[:, None, None]
+            prev_kv = prev_kv.masked_fill(no_prev, 0.0)
+            prev_gate = prev_gate.masked_fill(no_prev, float("-inf"))
+            slot_kv = torch.cat([prev_kv, current_kv], dim=1)
+            slot_gate = torch.cat([prev_gate, current_gate], dim=1)
+        weights = slot_gate.softmax(dim=1).to(slot_kv.dtype)
+        return self.kv_norm((slot_kv * weights).sum(dim=1))
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+
+
+class Indexer(WindowPooler):
+    """Lightning indexer: its own overlapping pooler at index_head_dim, and per query
+    score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s]); the top `index_topk` causal entries win."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int, eps: float):
+        super().__init__(hidden_size, head_dim, rate, overlap=True, eps=eps)
+        self.n_heads, self.topk = n_heads, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.scorer = IndexerScorer(hidden_size, n_heads)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        chunk: SequenceChunk,
+        cache: PoolerCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Boolean [n, entries] mask of the entries each query of the chunk attends to."""
+        n_entries = chunk.end_position // self.rate
+        positions = torch.arange(chunk.position, chunk.end_position)
+        visible = torch.arange(n_entries)[None, :] < ((positions + 1) // self.rate)[:, None]
+        if n_entries == 0:
+            return visible
+        q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos, sin).float()
+        keys = cache.entries[chunk.slot, :n_entries].float()
+        scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys)) * self.head_dim**-0.5
+        weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        _, top = stable_topk(total, min(self.topk, n_entries))
+        selected = torch.zeros_like(visible).scatter_(1, top, True)
+        return selected & visible
+
+
+class CompressedSparseCompressor(WindowPooler):
+    """CSA: overlapping pooler at head_dim plus the indexer that picks which entries each query sees."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, head_dim: int, rate: int, eps: float, indexer: Indexer):
+        super().__init__(hidden_size, head_dim, rate, overlap=True, eps=eps)
+        self.indexer = indexer
+
+
+class HeavilyCompressedCompressor(WindowPooler):
+    """HCA: non-overlapping pooler; every closed window is visible, no indexer."""
+
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, eps: float):
+        super().__init__(hidden_size, head_dim, rate, overlap=False, eps=eps)

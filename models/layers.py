@@ -1,0 +1,52 @@
+"""Small building blocks shared by the DeepSeek-V4 layers: RMS norms and interleaved RoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import RopeSpec
+
+
+class RMSNorm(nn.Module):
+    """RMS norm whose weight stays float32 (as released); the product is cast back once."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class RotaryTable:
+    """cos / sin for one rope kind, computed for the positions of a step (one row per position)."""
+
+    def __init__(self, spec: RopeSpec) -> None:
+        self.inv_freq = spec.inv_freq()
+        self.scale = spec.attention_factor
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) rotation of the trailing `2 * cos.shape[-1]` channels of x, in float32.
+
+    x is [N, D] or [N, heads, D]; cos / sin are [N, rope_dim / 2]. Pass -sin for the inverse rotation.
+    """
+    rope_dim = 2 * cos.shape[-1]
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    rope = x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)

@@ -1,0 +1,152 @@
+"""Checkpoint loading: safetensors (single file or sharded with an index), HF weight names.
+
+Quantized weights are dequantized at load into the serving dtype (the CPU reference path):
+- FP8 block-scaled: float8_e4m3fn `X` with `X_scale_inv` (HF fine-grained FP8) or `<module>.scale`
+  (original release), one scale per 128x128 block;
+- MXFP4: packed E2M1 bytes `X` ([..., in/2]) with E8M0 scales `X_scale` / `<module>.scale`
+  ([..., in/32]), or gpt-oss style `X_blocks` / `X_scales`.
+Every parameter must be present with its exact shape; anything else in the files is an error, except
+the MTP layer (`mtp.*`), which serving does not run. Errors name the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kernels import dequantize_fp8_blocks, dequantize_mxfp4
+from models.config import ModelConfig
+from models.model import DeepseekV4
+
+IGNORED_PREFIXES = ("mtp.",)
+# Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
+FLOAT32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor and file."""
+
+
+class TensorSource:
+    """Name -> file map over one or more safetensors files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{directory}: no *.safetensors files")
+            self.files = {}
+            for file in files:
+                with safe_open(file, framework="pt") as handle:
+                    self.files.update({name: file for name in handle.keys()})
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self._handles:
+            if not file.exists():
+                raise CheckpointError(f"{file}: listed in the index for {name!r} but missing")
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_tensor(name)
+
+    def where(self, name: str) -> str:
+        return str(self.files.get(name, self.directory))
+
+
+def _module_scale_name(name: str) -> str | None:
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+
+
+class WeightReader:
+    """Reads one parameter by name, dequantizing it if the checkpoint stores it quantized."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.consumed: set[str] = set()
+
+    def read(self, name: str, shape: torch.Size) -> torch.Tensor:
+        names = self.source.names()
+        if name + "_blocks" in names and name + "_scales" in names:
+            blocks = self._take(name + "_blocks")
+            packed = blocks.reshape(*blocks.shape[:-2], -1)
+            return self._checked(name, dequantize_mxfp4(packed, self._take(name + "_scales")), shape)
+        if name not in names:
+            raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
+        tensor = self._take(name)
+        scale_name = next(
+            (n for n in (name + "_scale_inv", name + "_scale", _module_scale_name(name)) if n and n in names), None
+        )
+        if scale_name is None:
+            return self._checked(name, tensor, shape)
+        scale = self._take(scale_name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            return self._checked(name, dequantize_fp8_blocks(tensor, scale), shape)
+        if tensor.shape[-1] * 2 == shape[-1]:
+            return self._checked(name, dequantize_mxfp4(tensor, scale), shape)
+        raise CheckpointError(
+            f"tensor {name!r} in {self.source.where(name)} has scale {scale_name!r} but is neither FP8 "
+            f"nor packed FP4 for shape {tuple(shape)} (stored {tuple(tensor.shape)}, {tensor.dtype})"
+        )
+
+    def _take(self, name: str) -> torch.Tensor:
+        self.consumed.add(name)
+        return self.source.get(name)
+
+    def _checked(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {self.source.where(name)} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(shape)}"
+            )
+        return tensor
+
+
+def _target_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
+    if not stored.is_floating_point:
+        return stored
+    return torch.float32 if any(marker in name for marker in FLOAT32_MARKERS) else dtype
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV4:
+    directory = Path(directory)
+    config = ModelConfig.from_file(directory / "config.json")
+    with torch.device("meta"):
+        model = DeepseekV4(config)
+    reader = WeightReader(TensorSource(directory))
+    for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if full_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        value = reader.read(full_name, tensor.shape)
+        value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
+        _assign(model, full_name, value)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    unexpected = sorted(
+        name for name in reader.source.names() - reader.consumed if not name.startswith(IGNORED_PREFIXES)
+    )
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:5])
+        raise CheckpointError(f"unexpected tensors in {directory} not used by the model: {shown}"
+                              + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    return model.eval()
+
+
+def _assign(model: nn.Module, full_name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = full_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value

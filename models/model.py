@@ -1,0 +1,72 @@
+"""DeepSeek-V4 for serving: one forward over a flat batch of chunks from several sequences.
+
+Module and parameter names are Hugging Face transformers' (`model.layers.N.self_attn.q_a_proj`,
+`model.layers.N.mlp.experts.gate_up_proj`, ...), so a checkpoint's tensors load by name. The forward
+reads per-step metadata from a ForwardBatch and keeps every per-sequence state in a caller-owned
+ModelCache; only the rows named in `batch.logits_rows` reach the vocabulary head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import Attention
+from models.batch import ForwardBatch
+from models.cache import ModelCache
+from models.config import ModelConfig
+from models.hyper import HyperConnection, HyperHead, merge_streams
+from models.layers import RMSNorm
+from models.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, layer: int) -> torch.Tensor:
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), batch, cache.layers[layer])
+        streams = merge_streams(streams, post, comb, out)
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        return merge_streams(streams, post, comb, out)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]."""
+        self._check(batch, cache)
+        embedded = self.model.embed_tokens(batch.token_ids)
+        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for index, layer in enumerate(self.model.layers):
+            streams = layer(streams, batch, cache, index)
+        hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))
+        return self.lm_head(hidden).float()
+
+    def _check(self, batch: ForwardBatch, cache: ModelCache) -> None:
+        for chunk in batch.chunks:
+            assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
+            assert chunk.end_position <= cache.max_len, f"slot {chunk.slot} would pass max_len {cache.max_len}"

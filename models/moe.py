@@ -1,0 +1,95 @@
+"""Mixture of experts: routed experts (top-k or hash routing) plus a shared expert.
+
+Scores are score_fn(router logits) (`sqrtsoftplus` in V4); top-k picks on score + correction bias
+but weights use the plain scores, renormalised over the chosen experts and scaled by
+`routed_scaling_factor`. Hash layers take the experts from a frozen token-id table instead. Both
+SwiGLU paths clamp: gate from above, up on both sides, at `swiglu_limit`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import stable_topk
+from models.config import HASH_MOE, ModelConfig
+
+SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.hashed = config.num_experts_per_tok, hashed
+        self.scale = config.routed_scaling_factor
+        self.score_fn = SCORE_FUNCTIONS[config.scoring_func]
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k], expert ids [T, k])."""
+        scores = self.score_fn(F.linear(x, self.weight))
+        if self.hashed:
+            experts = self.tid2eid[token_ids].long()
+        else:
+            _, experts = stable_topk(scores + self.e_score_correction_bias, self.top_k)
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, experts
+
+
+class Experts(nn.Module):
+    """Routed experts stored as [E, 2I, D] (gate rows then up rows) and [E, D, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in torch.unique(experts).tolist():
+            token_rows, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[token_rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, token_rows, (y * weights[token_rows, slot, None]).to(out.dtype))
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x, token_ids)
+        return self.experts(x, weights, experts) + self.shared_experts(x)
