@@ -1,0 +1,90 @@
+"""The engine loop: schedule -> execute -> update, on its own thread.
+
+Requests and aborts arrive through a thread-safe inbox; outputs leave through a callback. A failing
+step ends the requests it carried with an error reason and the loop goes on (the server stays up).
+The model executor is injected, so this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Protocol
+
+from scheduler.plan import StepPlan, StepResult
+from scheduler.request import Request, RequestOutput
+from scheduler.scheduler import Scheduler
+
+log = logging.getLogger("ds4serve.engine")
+
+
+class ModelExecutor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_output: Callable[[RequestOutput], None]) -> None:
+        self.scheduler, self.executor, self.on_output = scheduler, executor, on_output
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ds4serve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> None:
+        """Validate first (raises RequestRejected for the caller), then queue for the loop."""
+        self.scheduler.validate(request)
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                self.step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            kind, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                self.scheduler.add(payload)  # type: ignore[arg-type]
+            elif kind == "abort":
+                output = self.scheduler.abort(payload)  # type: ignore[arg-type]
+                if output is not None:
+                    self.on_output(output)
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return
+        try:
+            result = self.executor.execute(plan)
+        except Exception as exc:  # a failing step fails its requests, not the engine
+            log.exception("step failed")
+            outputs = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        else:
+            outputs = self.scheduler.update(plan, result)
+        self.steps += 1
+        for output in outputs:
+            self.on_output(output)
+        if not self.scheduler.has_work:
+            self.scheduler.check_integrity()

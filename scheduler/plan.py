@@ -1,0 +1,41 @@
+"""StepPlan / StepResult: the messages between the scheduler and the worker for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    position: int  # tokens of this sequence already in the cache
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    # echo: the prompt tokens that follow each chunk row (row i predicts logprob_targets[i]); empty if not asked
+    logprob_targets: tuple[int, ...]
+    params: SamplingParams
+    num_generated: int  # output tokens so far (seeds the per-request sampler deterministically)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    request_id: str
+    sampled: TokenLogprob | None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # logprob of chunk token i+1 given tokens <= i
+
+
+@dataclass(frozen=True)
+class StepResult:
+    chunks: tuple[ChunkResult, ...]
