@@ -1,0 +1,59 @@
+"""`python -m server`: serve a DeepSeek-V4 checkpoint over an OpenAI-compatible HTTP API.
+
+    python -m server [--model DIR] [--config YAML] [--set key=value ...] [--host H] [--port P]
+
+Without --model (and no model.path in the YAML) it serves the embedded tiny default, building it
+first if absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.config import FLAG_KEYS, ConfigFileError, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config (default configs/cpu-tiny.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
+    parser.add_argument("--api-key", help="bearer key clients must send (or DS4SERVE_API_KEY)")
+    parser.add_argument("--log-level", default="info")
+    for flag in FLAG_KEYS:
+        name = "--" + flag.replace("_", "-")
+        if flag == "deterministic":
+            parser.add_argument(name, action="store_const", const=True, default=None)
+        elif flag in ("port", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+            parser.add_argument(name, type=int)
+        elif flag == "gpu_memory_utilization":
+            parser.add_argument(name, type=float)
+        else:
+            parser.add_argument(name)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, args.set, {flag: getattr(args, flag) for flag in FLAG_KEYS})
+    except ConfigFileError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from server.launch import build_server
+
+    try:
+        app = build_server(config, api_key=args.api_key)
+    except (ConfigFileError, FileNotFoundError, ValueError) as exc:
+        print(f"cannot start: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

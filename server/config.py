@@ -1,0 +1,165 @@
+"""Server configuration: one YAML file per rig, validated, with `--set` and vLLM-style flag overrides.
+
+Unknown keys are errors that name the key and the file. The result is one frozen object; nothing
+rewrites it at run time. Secrets never live in the YAML: the API key comes from `--api-key`, the
+DS4SERVE_API_KEY environment variable, or the file named by `server.api_key_file`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_API_KEY = "DS4SERVE_API_KEY"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "cpu-tiny.yaml"
+DEFAULT_MODEL_DIR = REPO_ROOT / "checkpoints" / "tiny"
+
+
+class ConfigFileError(ValueError):
+    """A configuration that cannot be used; the message names the file and the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    path: str | None = None  # None: the embedded tiny default
+    served_name: str | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class ServerSection(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key_file: str | None = None
+    max_waiting: int = Field(default=1024, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+
+class SchedulerSection(Section):
+    max_num_seqs: int = Field(default=16, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    block_tokens: int = Field(default=128, gt=0)
+
+
+class MemorySection(Section):
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    host_memory_gb: float = Field(default=8.0, gt=0)
+
+
+class ParallelSection(Section):
+    tensor_parallel_size: int = Field(default=1, gt=0)
+
+
+class RuntimeSection(Section):
+    deterministic: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class EngramSection(Section):
+    residency: Literal["gpu", "host", "disk"] = "host"
+    path: str | None = None
+    host_cache_gb: float = Field(default=4.0, ge=0)
+    gpu_cache_gb: float = Field(default=0.0, ge=0)
+    queue_depth: int = Field(default=64, gt=0)
+    resident_scales: bool = False
+
+
+class MetricsSection(Section):
+    vllm_compat: bool = True
+
+
+class ServeConfig(Section):
+    model: ModelSection = ModelSection()
+    server: ServerSection = ServerSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    memory: MemorySection = MemorySection()
+    parallel: ParallelSection = ParallelSection()
+    runtime: RuntimeSection = RuntimeSection()
+    engram: EngramSection = EngramSection()
+    metrics: MetricsSection = MetricsSection()
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model.path) if self.model.path else DEFAULT_MODEL_DIR
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_name or self.model_dir.name
+
+    def api_keys(self, flag_key: str | None = None) -> tuple[str, ...]:
+        if flag_key:
+            return (flag_key,)
+        if os.environ.get(ENV_API_KEY):
+            return (os.environ[ENV_API_KEY],)
+        if self.server.api_key_file:
+            lines = Path(self.server.api_key_file).read_text().split()
+            return tuple(line for line in lines if line)
+        return ()
+
+
+# vLLM-style flags and the YAML key each one sets.
+FLAG_KEYS = {
+    "model": "model.path",
+    "served_model_name": "model.served_name",
+    "max_model_len": "model.max_model_len",
+    "dtype": "model.dtype",
+    "host": "server.host",
+    "port": "server.port",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "block_size": "scheduler.block_tokens",
+    "gpu_memory_utilization": "memory.gpu_memory_utilization",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "deterministic": "runtime.deterministic",
+    "device": "runtime.device",
+}
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigFileError(f"{origin}: {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, flags: dict[str, Any] | None = None
+) -> ServeConfig:
+    """YAML (default configs/cpu-tiny.yaml), then `--set key=value` overrides, then flags."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot read config: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigFileError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigFileError(f"--set {item!r}: expected key=value, e.g. scheduler.max_num_seqs=8")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw), "--set")
+    for flag, value in (flags or {}).items():
+        if value is not None:
+            _set_dotted(tree, FLAG_KEYS[flag], value, f"--{flag.replace('_', '-')}")
+    try:
+        return ServeConfig.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigFileError(f"{path}: {problems}") from None

@@ -1,0 +1,66 @@
+"""Wires a validated config into a running engine and the HTTP app.
+
+This is the one place that builds the engine (model, runner, scheduler); the HTTP code itself only
+sees the EngineClient.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from server.app import ServedModel, create_app
+from server.config import DEFAULT_MODEL_DIR, ConfigFileError, ServeConfig
+from server.engine_client import EngineClient
+from server.tokenizer import TextTokenizer
+
+log = logging.getLogger("ds4serve.launch")
+
+
+def ensure_default_model(model_dir: Path) -> None:
+    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").exists():
+        from models.tiny import build_tiny_checkpoint
+
+        log.info("building the tiny default checkpoint in %s", model_dir)
+        build_tiny_checkpoint(model_dir)
+
+
+def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
+    import torch
+
+    from models import ModelConfig, load_model
+    from scheduler import EngineCore, Scheduler, SchedulerLimits
+    from worker import ModelRunner
+
+    if config.parallel.tensor_parallel_size != 1:
+        raise ConfigFileError("parallel.tensor_parallel_size: only 1 is supported in this version")
+    device = "cuda" if config.runtime.device == "cuda" or (config.runtime.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if config.model.dtype == "auto":
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.model.dtype)
+    model_dir = config.model_dir
+    ensure_default_model(model_dir)
+    model_config = ModelConfig.from_file(model_dir / "config.json")
+    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
+    tokenizer = TextTokenizer(model_dir, model_config.bos_token_id)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    runner = ModelRunner(model, config.scheduler.max_num_seqs, max_model_len, device=device)
+    limits = SchedulerLimits(
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=model_config.eos_token_ids,
+    )
+    client = EngineClient()
+    engine = EngineCore(Scheduler(limits), runner, client.on_output)
+    engine.start()
+    client.connect(engine.submit, engine.abort)
+    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=max_model_len)
+    app = create_app(client, tokenizer, served, config.api_keys(api_key))
+    app.router.on_shutdown.append(engine.stop)
+    log.info("serving %s (%s, %s) as %r", model_dir, device, dtype, served.name)
+    return app
