@@ -21,6 +21,7 @@ from torch import nn
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
 from models.config import ModelConfig
 from models.model import DeepseekV4
+from models.weight_names import NameIndex
 
 IGNORED_PREFIXES = ("mtp.",)
 # Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
@@ -77,6 +78,7 @@ class WeightReader:
         self.consumed: set[str] = set()
 
     def read(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """`name` is the stored name; scale companions are found beside it."""
         names = self.source.names()
         if name + "_blocks" in names and name + "_scales" in names:
             blocks = self._take(name + "_blocks")
@@ -125,10 +127,11 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
     with torch.device("meta"):
         model = DeepseekV4(config)
     reader = WeightReader(TensorSource(directory))
+    index = NameIndex.build(reader.source.names())
     for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if full_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        value = reader.read(full_name, tensor.shape)
+        value = _read_parameter(reader, index, full_name, tensor.shape)
         value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
         _assign(model, full_name, value)
     if config.tie_word_embeddings:
@@ -141,6 +144,29 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
         raise CheckpointError(f"unexpected tensors in {directory} not used by the model: {shown}"
                               + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
     return model.eval()
+
+
+def _read_parameter(reader: WeightReader, index: NameIndex, name: str, shape: torch.Size) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    if name not in index.direct and owner in index.experts and leaf in ("gate_up_proj", "down_proj"):
+        return _stack_experts(reader, index.experts[owner].by_expert, owner, leaf, shape)
+    return reader.read(index.direct.get(name, name), shape)
+
+
+def _stack_experts(
+    reader: WeightReader, parts: dict[int, dict[str, str]], owner: str, leaf: str, shape: torch.Size
+) -> torch.Tensor:
+    n_experts = shape[0]
+    matrices = []
+    for expert in range(n_experts):
+        stored = parts.get(expert, {})
+        wanted = ("w1", "w3") if leaf == "gate_up_proj" else ("w2",)
+        missing = [w for w in wanted if w not in stored]
+        if missing:
+            raise CheckpointError(f"missing tensor {owner}.{expert}.{missing[0]}.weight in {reader.source.directory}")
+        rows = shape[1] // len(wanted)
+        matrices.append(torch.cat([reader.read(stored[w], torch.Size((rows, shape[2]))) for w in wanted]))
+    return torch.stack(matrices)
 
 
 def _assign(model: nn.Module, full_name: str, value: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ CORPUS = [
 
 
 def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
-    """HF transformers' DeepseekV4Config keys for a small model; overrides replace keys."""
+    """HF transformers' DeepseekV4Config keys for a small model; overrides replace keys (None drops one)."""
     config: dict[str, Any] = {
         "model_type": "deepseek_v4",
         "architectures": ["DeepseekV4ForCausalLM"],
@@ -104,7 +104,7 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
         "dtype": "float32",
     }
     config.update(overrides)
-    return config
+    return {key: value for key, value in config.items() if value is not None}
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

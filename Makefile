@@ -1,0 +1,34 @@
+# ds4serve: `make serve` and `make test` work on a fresh machine (they create .venv first).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TINY := checkpoints/tiny
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: serve test test-gpu tiny-model install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: pip takes this CPU build from local disk instead of downloading a CUDA one
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(TINY)/config.json: $(VENV)/.installed models/tiny.py
+	$(PY) -m models.tiny --out $(TINY)
+
+tiny-model: $(TINY)/config.json
+
+serve: $(VENV)/.installed $(TINY)/config.json
+	$(PY) -m server $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(TINY) .pytest_cache
