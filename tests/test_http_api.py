@@ -1,0 +1,126 @@
+"""The served API through real HTTP: the official openai client and raw httpx against `python -m server`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.conftest import hf_logits, hf_model, random_tokens
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(checkpoints["mixed"]), "--port", str(port),
+         "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited: {process.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        process.kill()
+        pytest.fail("server did not become healthy")
+    yield base
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    return hf_model(checkpoints["mixed"])
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].max_model_len == 512 and models[0].root.endswith("mixed")
+
+
+def test_greedy_tokens_are_the_oracle_argmax(client, reference):
+    prompt = random_tokens(40, seed=21)
+    response = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    generated = response.choices[0].token_ids
+    assert len(generated) == 32 and response.choices[0].finish_reason == "length"
+    logits = hf_logits(reference, prompt + generated)
+    for step, token in enumerate(generated):
+        row = logits[len(prompt) - 1 + step]
+        assert row[token] >= row.max() - 1e-4, f"token {step}: {token} is not the teacher-forced argmax"
+    assert response.usage.prompt_tokens == 40 and response.usage.completion_tokens == 32
+
+
+def test_echo_prompt_logprobs_match_oracle(client, reference):
+    prompt = random_tokens(50, seed=22)
+    response = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(prompt) + 1 and logprobs.token_logprobs[0] is None
+    expected = torch.log_softmax(hf_logits(reference, prompt), dim=-1)
+    for i in range(1, len(prompt)):
+        assert abs(logprobs.token_logprobs[i] - expected[i - 1, prompt[i]].item()) <= 1e-4, f"prompt token {i}"
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+
+
+def test_text_prompt_and_batch_of_prompts(client):
+    response = client.completions.create(model="tiny", prompt=["Hello world", "The quick brown fox"], max_tokens=4, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.completion_tokens <= 8
+
+
+def test_client_mistakes_are_400_with_openai_error_body(server, client):
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="tiny", prompt=random_tokens(500, 1), max_tokens=100)
+    assert "maximum context length is 512" in too_long.value.message
+    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": [], "max_tokens": 3}, {"prompt": [1, 2, 70000]},
+                 {"prompt": "x", "temperature": "hot"}, {"max_tokens": 3}):
+        response = httpx.post(server + "/v1/completions", json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"] and error["code"] == 400
+    response = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+    assert httpx.get(server + "/health").status_code == 200  # still up
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=0.9, seed=1234, extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert first.choices[0].text == second.choices[0].text

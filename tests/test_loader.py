@@ -1,0 +1,94 @@
+"""Checkpoint loading: clear errors for bad tensors, sharded files, FP8 and MXFP4 weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import quantize_fp8_blocks, quantize_mxfp4
+from models import CheckpointError, load_model
+
+
+@pytest.fixture
+def copy(checkpoints, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["mixed"], target)
+    return target
+
+
+def rewrite(directory, edit) -> None:
+    tensors = load_file(str(directory / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(copy):
+    rewrite(copy, lambda t: t.pop("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.compressor\.indexer\.q_b_proj\.weight'"):
+        load_model(copy)
+
+
+def test_misshaped_tensor_is_named(copy):
+    def edit(t):
+        t["model.layers.2.self_attn.kv_proj.weight"] = torch.zeros(31, 64)
+
+    rewrite(copy, edit)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.kv_proj\.weight'.*\(31, 64\).*\(32, 64\)"):
+        load_model(copy)
+
+
+def test_unexpected_tensor_is_named(copy):
+    rewrite(copy, lambda t: t.__setitem__("model.layers.0.self_attn.surprise", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match="surprise"):
+        load_model(copy)
+
+
+def test_sharded_checkpoint_with_index(copy, checkpoints):
+    tensors = load_file(str(copy / "model.safetensors"))
+    (copy / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for shard, part in enumerate((names[:half], names[half:])):
+        file = f"model-{shard + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(copy / file))
+        weight_map.update({n: file for n in part})
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded, original = load_model(copy), load_model(checkpoints["mixed"])
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), original.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_fp8_and_mxfp4_weights_dequantize_in_place(copy, checkpoints):
+    """FP8 (128x128 block scales, HF `_scale_inv`) and MXFP4 (E8M0 per 32, release `.scale` on per-expert
+    weights) load close to the full-precision weights; a transposed or misaligned scale would not."""
+    dense_name = "model.layers.1.self_attn.q_b_proj.weight"
+    original = load_file(str(copy / "model.safetensors"))
+
+    def edit(t):
+        values, scale = quantize_fp8_blocks(t[dense_name])
+        t[dense_name], t[dense_name + "_scale_inv"] = values, scale
+        fused = t.pop("model.layers.2.mlp.experts.gate_up_proj")
+        down = t.pop("model.layers.2.mlp.experts.down_proj")
+        for expert in range(fused.shape[0]):
+            w1, w3 = fused[expert].chunk(2)
+            for part, matrix in (("w1", w1), ("w3", w3), ("w2", down[expert])):
+                packed, exponents = quantize_mxfp4(matrix)
+                t[f"model.layers.2.ffn.experts.{expert}.{part}.weight"] = packed
+                t[f"model.layers.2.ffn.experts.{expert}.{part}.scale"] = exponents
+
+    rewrite(copy, edit)
+    model = load_model(copy)
+    params = dict(model.named_parameters())
+    fp8_error = (params[dense_name] - original[dense_name]).abs().max() / original[dense_name].abs().max()
+    assert 0 < fp8_error < 0.07
+    for name in ("gate_up_proj", "down_proj"):
+        loaded, dense = params[f"model.layers.2.mlp.experts.{name}"], original[f"model.layers.2.mlp.experts.{name}"]
+        blocks = (loaded - dense).view(*dense.shape[:-1], -1, 32).abs().amax(-1)
+        block_amax = dense.view(*dense.shape[:-1], -1, 32).abs().amax(-1)
+        assert (blocks <= block_amax * 0.25 + 1e-6).all(), name
+        assert torch.corrcoef(torch.stack([loaded.flatten(), dense.flatten()]))[0, 1] > 0.95
