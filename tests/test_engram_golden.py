@@ -1,0 +1,74 @@
+"""Engram against shared/golden/engram: compression, layout, multipliers, row ids, incremental hashing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from models.engram_hash import EngramLayout, NgramHasher, build_compressed_token_map, hash_multipliers
+
+GOLDEN = Path(__file__).resolve().parent.parent.parent / "shared" / "golden" / "engram"
+pytestmark = pytest.mark.skipif(not GOLDEN.exists(), reason=f"golden data folder {GOLDEN} is absent")
+CONFIGS = ["cfgA", "cfgB"]
+
+
+def golden(name: str) -> dict:
+    return json.loads((GOLDEN / f"engram_{name}.json").read_text())
+
+
+def hasher_for(case: dict) -> NgramHasher:
+    config = case["config"]
+    lookup = build_compressed_token_map(Tokenizer.from_file(str(GOLDEN / "tokenizer.json")))
+    layout = EngramLayout.build(config["engram_layer_ids"], config["engram_max_ngram_size"], config["engram_n_heads"], config["engram_vocab_size"])
+    return NgramHasher(lookup, layout, config["engram_pad_id"])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_compression_layout_and_multipliers(name):
+    case = golden(name)
+    config = case["config"]
+    lookup = build_compressed_token_map(Tokenizer.from_file(str(GOLDEN / "tokenizer.json")))
+    assert lookup == case["compressed_token_map"]["lookup"]
+    assert max(lookup) + 1 == config["engram_compressed_vocab_size"]
+    layout = hasher_for(case).layout
+    assert [[list(order) for order in layer] for layer in layout.primes] == case["layout"]["primes"]
+    assert [list(o) for o in layout.offsets] == case["layout"]["offsets"]
+    assert list(layout.num_embeddings) == config["engram_num_embeddings"]
+    for index, layer in enumerate(config["engram_layer_ids"]):
+        values = hash_multipliers(layer, config["engram_max_ngram_size"], config["engram_compressed_vocab_size"])
+        assert [str(v) for v in values] == case["multipliers"]["values_str"][index]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_hash_ids_of_every_case(name):
+    case = golden(name)
+    hasher = hasher_for(case)
+    for hash_case in case["hash_cases"]:
+        for b, ids in enumerate(hash_case["input_ids"]):
+            live = hash_case["token_mask"][b] if hash_case["token_mask"] is not None else None
+            tokens, _ = hasher.ngram_tokens(ids, live, hasher.empty_context())
+            assert tokens.tolist() == hash_case["ngram_tokens"][b], hash_case["name"]
+            rows, _ = hasher.row_ids(ids, live, hasher.empty_context())
+            assert rows.tolist() == hash_case["hash_ids"][b], hash_case["name"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_incremental_hashing_equals_full(name):
+    case = golden(name)
+    hasher = hasher_for(case)
+    for inc in case["incremental_cases"]:
+        for b, ids in enumerate(inc["input_ids"]):
+            live = inc["token_mask"][b] if inc["token_mask"] is not None else None
+            context = hasher.empty_context()
+            pieces = []
+            for chunk in inc["chunks"]:
+                s, e = chunk["start"], chunk["end"]
+                rows, context = hasher.row_ids(ids[s:e], None if live is None else live[s:e], context)
+                assert rows.tolist() == chunk["hash_ids"][b], (inc["name"], s)
+                assert context == chunk["engram_context_after"][b], (inc["name"], s)
+                pieces.append(rows)
+            assert np.concatenate(pieces).tolist() == inc["hash_ids_full"][b]
