@@ -10,7 +10,7 @@ The quantizers exist for building test checkpoints; serving only dequantizes.
 import torch
 
 FP8_BLOCK = 128
-MXFP4_BLOCK = 32
+MXFP4_BLOCK = 32  # also the E8M0 scale block of Engram rows
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 

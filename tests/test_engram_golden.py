@@ -72,3 +72,52 @@ def test_incremental_hashing_equals_full(name):
                 assert context == chunk["engram_context_after"][b], (inc["name"], s)
                 pieces.append(rows)
             assert np.concatenate(pieces).tolist() == inc["hash_ids_full"][b]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fusion_matches_golden(name):
+    """Rows, wkv output, gate and output within the README's 2e-5 (gate absolute, out relative to max)."""
+    import torch
+    from safetensors import safe_open
+
+    from engram_store import InMemoryEngramTable
+    from models.engram import EngramFusion
+
+    case = golden(name)
+    config, fusion = case["config"], case["fusion"]
+    weights = safe_open(str(GOLDEN / fusion["weights_file"]), framework="pt")
+    tensors = safe_open(str(GOLDEN / fusion["tensors_file"]), framework="pt")
+    layer_ids = config["engram_layer_ids"]
+    table = InMemoryEngramTable(
+        [weights.get_tensor(f"layers.{l}.engram.embed.weight") for l in layer_ids],
+        [weights.get_tensor(f"layers.{l}.engram.embed.scale") for l in layer_ids],
+    )
+    hasher = hasher_for(case)
+    for fusion_case in fusion["cases"]:
+        ids = tensors.get_tensor(fusion_case["tensors"]["input_ids"])
+        hidden = tensors.get_tensor(fusion_case["tensors"]["hidden_in"])
+        mask_name = fusion_case["tensors"].get("token_mask")
+        mask = tensors.get_tensor(mask_name).bool() if mask_name else torch.ones(ids.shape, dtype=torch.bool)
+        for layer in fusion_case["layers"]:
+            module = EngramFusion(config["hidden_size"], config["hc_mult"], config["n_hash_cols"], config["engram_head_dim"], config["rms_norm_eps"])
+            l = layer["layer_id"]
+            module.load_state_dict({
+                "wkv.weight": weights.get_tensor(f"layers.{l}.engram.wkv.weight"),
+                "q_weight": weights.get_tensor(f"layers.{l}.engram.q_weight"),
+                "k_weight": weights.get_tensor(f"layers.{l}.engram.k_weight"),
+            })
+            expected = {k: tensors.get_tensor(v) for k, v in layer["tensors"].items()}
+            for b in range(ids.shape[0]):
+                row_ids, _ = hasher.row_ids(ids[b].tolist(), mask[b].tolist(), hasher.empty_context())
+                row_ids = torch.from_numpy(row_ids[:, layer["layer_index"]])
+                assert torch.equal(row_ids, expected["hash_ids"][b])
+                rows = table.rows(layer["layer_index"], row_ids)
+                if "rows" in expected:
+                    assert torch.equal(rows, expected["rows"][b])
+                kv, dot, _ = module.gate_terms(hidden[b], rows)
+                if "kv" in expected:
+                    assert (kv - expected["kv"][b]).abs().max() <= 2e-5 * expected["kv"][b].abs().max()
+                out = module(hidden[b], rows, mask[b])
+                gate = EngramFusion.gate(dot, mask[b])
+                assert (gate - expected["gate"][b]).abs().max() <= 2e-5
+                assert (out - expected["out"][b]).abs().max() <= 2e-5 * expected["out"][b].abs().max()
