@@ -16,24 +16,35 @@ hashing the whole sequence.
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+from tokenizers import Regex, normalizers
 
 DEAD = -1  # a look-back slot that is blocked: before the sequence start or at a dead position
-_WHITESPACE = re.compile(r"[ \t\r\n]+")
 _SENTINEL = "\ue000"
 
 
+@lru_cache(maxsize=1)
+def _normalizers() -> tuple[normalizers.Normalizer, normalizers.Normalizer]:
+    """The reference's steps run as the `tokenizers` (Rust) normalizers, whose notions of accents and
+    whitespace differ from Python's str methods at the edges (e.g. Python strips \\x1c-\\x1f)."""
+    folding = normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+    ])
+    return folding, normalizers.Strip()
+
+
 def _normalized_key(text: str) -> str:
-    key = unicodedata.normalize("NFKC", text)
-    key = unicodedata.normalize("NFD", key)
-    key = "".join(ch for ch in key if unicodedata.category(ch) != "Mn")
-    key = _WHITESPACE.sub(" ", key.lower())
-    key = _SENTINEL if key == " " else key
-    key = key.strip().replace(_SENTINEL, " ")
+    folding, strip = _normalizers()
+    key = folding.normalize_str(text)
+    key = _SENTINEL if key == " " else key  # a lone space token must not vanish
+    key = strip.normalize_str(key).replace(_SENTINEL, " ")
     return key or text
 
 
