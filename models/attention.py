@@ -54,9 +54,7 @@ class Attention(nn.Module):
             indexer = Indexer(
                 c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, rate, c.rms_norm_eps
             )
-            self.compressor = CompressedSparseCompressor(
-                c.hidden_size, c.q_lora_rank, c.head_dim, rate, c.rms_norm_eps, indexer
-            )
+            self.compressor = CompressedSparseCompressor(c.hidden_size, c.head_dim, rate, c.rms_norm_eps, indexer)
         elif self.kind == HCA:
             self.compressor = HeavilyCompressedCompressor(c.hidden_size, c.head_dim, rate, c.rms_norm_eps)
         else:

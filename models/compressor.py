@@ -120,7 +120,7 @@ class Indexer(WindowPooler):
 class CompressedSparseCompressor(WindowPooler):
     """CSA: overlapping pooler at head_dim plus the indexer that picks which entries each query sees."""
 
-    def __init__(self, hidden_size: int, q_lora_rank: int, head_dim: int, rate: int, eps: float, indexer: Indexer):
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, eps: float, indexer: Indexer):
         super().__init__(hidden_size, head_dim, rate, overlap=True, eps=eps)
         self.indexer = indexer
 
