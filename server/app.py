@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.scheduler import RequestRejected
-from server.completions import ClientError, create_completion
+from server.completions import ClientError, build_requests, create_completion, stream_completion
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest, ModelCard, ModelList, error_body
 from server.tokenizer import TextTokenizer
@@ -77,11 +77,17 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedMode
         return ModelList(data=[ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)])
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest):
         if body.model is not None and body.model != model.name:
             return _error(404, f"the model {body.model!r} does not exist; this server serves {model.name!r}", "not_found_error", "model")
         try:
-            response = await create_completion(body, engine, tokenizer, model.name, model.max_model_len)
+            response_id, requests = build_requests(body, tokenizer, model.max_model_len)
+            if body.stream:
+                for request in requests:  # refuse before the 200 of a stream is sent
+                    engine.validate(request)
+                frames = stream_completion(body, response_id, requests, engine, tokenizer, model.name)
+                return StreamingResponse(frames, media_type="text/event-stream")
+            response = await create_completion(body, requests, engine, tokenizer, model.name)
         except (ClientError, RequestRejected) as exc:
             return _error(400, str(exc), param=getattr(exc, "param", None))
         except RuntimeError as exc:

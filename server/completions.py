@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import orjson
 
 from scheduler.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from server.engine_client import EngineClient
-from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from server.tokenizer import TextTokenizer
 
 
@@ -98,11 +108,8 @@ def legacy_logprobs(
     return result
 
 
-async def create_completion(
-    body: CompletionRequest, engine: EngineClient, tokenizer: TextTokenizer, model_name: str, max_model_len: int
-) -> CompletionResponse:
-    if body.stream:
-        raise ClientError("stream=true is not supported by this server yet", "stream")
+def build_requests(body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int) -> tuple[str, list[Request]]:
+    """One engine request per (prompt, n); raises ClientError for a bad prompt."""
     prompts = prompt_token_lists(body, tokenizer)
     base_id = uuid.uuid4().hex
     requests = [
@@ -110,6 +117,13 @@ async def create_completion(
         for p, ids in enumerate(prompts)
         for i in range(body.n)
     ]
+    return f"cmpl-{base_id}", requests
+
+
+async def create_completion(
+    body: CompletionRequest, requests: list[Request], engine: EngineClient, tokenizer: TextTokenizer, model_name: str
+) -> CompletionResponse:
+    prompts = [r.prompt_token_ids for r in requests[:: body.n]]
     generations = await asyncio.gather(*(collect(engine, r) for r in requests))
     failed = next((g.error for g in generations if g.error), None)
     if failed:
@@ -150,3 +164,72 @@ def _choice(
         token_ids=generation.token_ids if body.return_token_ids else None,
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
     )
+
+
+class IncrementalText:
+    """Text deltas of a growing token list that never end inside a UTF-8 character: a decode that ends
+    in U+FFFD is held back until the next token completes it (or the stream ends)."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer, self.token_ids, self.sent = tokenizer, [], ""
+
+    def push(self, token_ids: tuple[int, ...], final: bool) -> str:
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def stream_completion(
+    body: CompletionRequest, response_id: str, requests: list[Request], engine: EngineClient,
+    tokenizer: TextTokenizer, model_name: str,
+) -> AsyncIterator[bytes]:
+    """SSE frames for every choice as its tokens arrive, a usage frame if asked, then [DONE].
+    An engine failure mid-stream becomes an error frame before [DONE]."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, request: Request) -> None:
+        try:
+            async for output in engine.generate(request):
+                await queue.put((index, output))
+        except BaseException as exc:  # noqa: BLE001 - reported to the client as an error frame
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    texts = [IncrementalText(tokenizer) for _ in requests]
+    completion_tokens, open_choices = 0, len(requests)
+    try:
+        while open_choices:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                yield _sse({"error": {"message": str(item), "type": "internal_server_error", "code": 500}})
+                break
+            completion_tokens += len(item.new_token_ids)
+            open_choices -= item.finished
+            if item.error:
+                yield _sse({"error": {"message": item.error, "type": "internal_server_error", "code": 500}})
+                break
+            choice = CompletionChoice(
+                index=index,
+                text=texts[index].push(item.new_token_ids, item.finished),
+                finish_reason=item.finish_reason if item.finished else None,
+                token_ids=list(item.new_token_ids) if body.return_token_ids else None,
+            )
+            chunk = CompletionChunk(id=response_id, model=model_name, choices=[choice])
+            yield _sse(chunk.model_dump(exclude_none=True))
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[:: body.n])
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+                yield _sse(CompletionChunk(id=response_id, model=model_name, choices=[], usage=usage).model_dump())
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -18,12 +18,20 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._submit: Callable[[Request], None] | None = None
+        self._validate: Callable[[Request], None] | None = None
         self._abort: Callable[[str], None] | None = None
         self.ready = False
 
-    def connect(self, submit: Callable[[Request], None], abort: Callable[[str], None]) -> None:
-        self._submit, self._abort = submit, abort
+    def connect(
+        self, submit: Callable[[Request], None], abort: Callable[[str], None], validate: Callable[[Request], None]
+    ) -> None:
+        self._submit, self._abort, self._validate = submit, abort, validate
         self.ready = True
+
+    def validate(self, request: Request) -> None:
+        """Raises RequestRejected for a request the engine would refuse."""
+        assert self._validate is not None, "engine not connected"
+        self._validate(request)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

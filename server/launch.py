@@ -58,7 +58,7 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     client = EngineClient()
     engine = EngineCore(Scheduler(limits), runner, client.on_output)
     engine.start()
-    client.connect(engine.submit, engine.abort)
+    client.connect(engine.submit, engine.abort, engine.scheduler.validate)
     served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=max_model_len)
     app = create_app(client, tokenizer, served, config.api_keys(api_key))
     app.router.on_shutdown.append(engine.stop)

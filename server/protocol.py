@@ -9,6 +9,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
 class CompletionRequest(BaseModel):
     # Unknown fields are tolerated, as OpenAI-compatible servers do: clients send vendor extras.
     model_config = ConfigDict(extra="allow")
@@ -23,6 +27,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     ignore_eos: bool = False
@@ -62,6 +67,17 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class CompletionChunk(BaseModel):
+    """One SSE frame of a streamed completion (same `object` as the whole response, as OpenAI sends)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -124,3 +124,22 @@ def test_seeded_sampling_is_reproducible(client):
     kwargs = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=0.9, seed=1234, extra_body={"ignore_eos": True})
     first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert first.choices[0].text == second.choices[0].text
+
+
+def test_streamed_completion_equals_unstreamed(client, server):
+    kwargs = dict(model="tiny", prompt="Hello world", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+    with httpx.stream("POST", server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_streamed_request_too_long_is_400_before_streaming(server):
+    body = {"prompt": random_tokens(500, 3), "max_tokens": 100, "stream": True}
+    response = httpx.post(server + "/v1/completions", json=body)
+    assert response.status_code == 400 and "maximum context length" in response.json()["error"]["message"]
