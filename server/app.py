@@ -87,7 +87,7 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedMode
                     engine.validate(request)
                 frames = stream_completion(body, response_id, requests, engine, tokenizer, model.name)
                 return StreamingResponse(frames, media_type="text/event-stream")
-            response = await create_completion(body, requests, engine, tokenizer, model.name)
+            response = await create_completion(body, response_id, requests, engine, tokenizer, model.name)
         except (ClientError, RequestRejected) as exc:
             return _error(400, str(exc), param=getattr(exc, "param", None))
         except RuntimeError as exc:

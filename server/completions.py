@@ -121,7 +121,8 @@ def build_requests(body: CompletionRequest, tokenizer: TextTokenizer, max_model_
 
 
 async def create_completion(
-    body: CompletionRequest, requests: list[Request], engine: EngineClient, tokenizer: TextTokenizer, model_name: str
+    body: CompletionRequest, response_id: str, requests: list[Request], engine: EngineClient,
+    tokenizer: TextTokenizer, model_name: str,
 ) -> CompletionResponse:
     prompts = [r.prompt_token_ids for r in requests[:: body.n]]
     generations = await asyncio.gather(*(collect(engine, r) for r in requests))
@@ -134,6 +135,7 @@ async def create_completion(
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[:: body.n])
     completion_tokens = sum(len(g.token_ids) for g in generations)
     return CompletionResponse(
+        id=response_id,
         model=model_name,
         choices=choices,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
