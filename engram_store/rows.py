@@ -17,12 +17,13 @@ class RowSource(Protocol):
 
 
 class InMemoryEngramTable:
-    """Every layer's fp8 table and E8M0 scales resident in memory (host RAM or the compute device)."""
+    """Every layer's table (fp8 values with power-of-two block scales, or float rows) resident in memory
+    (host RAM or the compute device)."""
 
     def __init__(self, values: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
         assert len(values) == len(scales)
         for v, s in zip(values, scales):
-            assert v.shape[0] == s.shape[0] and v.shape[1] == s.shape[1] * 32, (tuple(v.shape), tuple(s.shape))
+            assert v.shape[0] == s.shape[0] and v.shape[1] % s.shape[1] == 0, (tuple(v.shape), tuple(s.shape))
         self.values, self.scales = values, scales
 
     def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        keys, bias = self._window_keys(chunk, kv, cache.window)
+        keys, bias = window_keys(chunk, kv, cache.window)
         if self.compressor is not None:
             entries, visible = self._compressed_keys(chunk, x, q_residual, cache, cos, sin)
             keys = torch.cat([keys, entries])
@@ -100,20 +100,6 @@ class Attention(nn.Module):
         logits = torch.cat([scores, sink], dim=-1)
         probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
         return torch.einsum("hnk,kd->nhd", probs.to(keys.dtype), keys)
-
-    def _window_keys(self, chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of positions [p0 - window + 1, p1) and the additive mask keeping (t - window, t] per query;
-        then stores the chunk's last `window` entries in the slot's ring."""
-        p0, p1, w = chunk.position, chunk.end_position, self.window
-        past = torch.arange(max(0, p0 - w + 1), p0)
-        keys = torch.cat([ring[chunk.slot, past % w], kv])
-        key_positions = torch.cat([past, torch.arange(p0, p1)])
-        query_positions = torch.arange(p0, p1)[:, None]
-        allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
-        bias = torch.zeros(allowed.shape, dtype=kv.dtype).masked_fill(~allowed, float("-inf"))
-        stored = torch.arange(max(p0, p1 - w), p1)
-        ring[chunk.slot, stored % w] = kv[stored - p0]
-        return keys, bias
 
     def _compressed_keys(
         self,
@@ -133,3 +119,18 @@ class Attention(nn.Module):
             positions = torch.arange(chunk.position, chunk.end_position)
             visible = torch.arange(n_entries)[None, :] < ((positions + 1) // rate)[:, None]
         return entries, visible
+
+
+def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of positions [p0 - window + 1, p1) and the additive mask keeping (t - window, t] per query;
+    then stores the chunk's last `window` entries in the slot's ring (row = position % window)."""
+    p0, p1, w = chunk.position, chunk.end_position, ring.shape[1]
+    past = torch.arange(max(0, p0 - w + 1), p0)
+    keys = torch.cat([ring[chunk.slot, past % w], kv])
+    key_positions = torch.cat([past, torch.arange(p0, p1)])
+    query_positions = torch.arange(p0, p1)[:, None]
+    allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
+    bias = torch.zeros(allowed.shape, dtype=kv.dtype).masked_fill(~allowed, float("-inf"))
+    stored = torch.arange(max(p0, p1 - w), p1)
+    ring[chunk.slot, stored % w] = kv[stored - p0]
+    return keys, bias

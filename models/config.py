@@ -14,6 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.config_v41 import (
+    SHARED_COMPRESSED,
+    V41_MODEL_TYPES,
+    EngramSpec,
+    SharedCompression,
+    compress_ratios,
+    engram_spec,
+    shared_compression,
+    text_config,
+)
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -105,6 +116,17 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
+    # DeepSeek-V4.1 only (None / defaults for V4):
+    shared_compression: SharedCompression | None = None
+    engram: EngramSpec | None = None
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    # V4.1's quantization-aware formats; off only to compare with a reference run without them.
+    simulate_quantization: bool = True
+
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type in V41_MODEL_TYPES
 
     @property
     def max_compress_rate(self) -> int:
@@ -127,10 +149,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        d = dict(raw)
-        model_type = d.get("model_type", "deepseek_v4")
+        model_type = raw.get("model_type", "deepseek_v4")
+        if model_type in V41_MODEL_TYPES:
+            return cls._from_v41_dict(text_config(raw))
         if model_type != "deepseek_v4":
-            raise ConfigError(f"model_type {model_type!r} is not supported (expected 'deepseek_v4')")
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported (expected 'deepseek_v4', 'deepseek_v41' or 'deepseek_v41_text')"
+            )
+        d = dict(raw)
         n_layers = _require(d, "num_hidden_layers")
         layer_types = _layer_types(d, n_layers)
         rates_by_type = dict(_DEFAULT_COMPRESS_RATES)
@@ -139,58 +165,90 @@ class ModelConfig:
             if d.get(legacy) is not None:
                 rates_by_type[kind] = d[legacy]
         compress_rates = tuple(0 if t == SLIDING else int(rates_by_type[t]) for t in layer_types)
-        head_dim = d.get("head_dim", 512)
-        rope_head_dim = _rope_head_dim(d, head_dim)
-        main_rope, compress_rope = _rope_specs(d, rope_head_dim)
-        eos = d.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
+            **_common_fields(d, index_n_heads=64, rms_norm_eps=1e-6),
             model_type=model_type,
-            vocab_size=d.get("vocab_size", 129280),
-            hidden_size=d.get("hidden_size", 4096),
             num_layers=n_layers,
-            num_heads=d.get("num_attention_heads", 64),
-            head_dim=head_dim,
-            rope_head_dim=rope_head_dim,
-            q_lora_rank=d.get("q_lora_rank", 1024),
-            o_groups=d.get("o_groups", 8),
-            o_lora_rank=d.get("o_lora_rank", 1024),
             layer_types=layer_types,
             compress_rates=compress_rates,
             mlp_layer_types=_mlp_layer_types(d, n_layers),
-            n_routed_experts=d.get("n_routed_experts", 256),
-            num_experts_per_tok=d.get("num_experts_per_tok", 6),
-            moe_intermediate_size=d.get("moe_intermediate_size", 2048),
-            n_shared_experts=d.get("n_shared_experts", 1),
-            scoring_func=d.get("scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-            sliding_window=d.get("sliding_window", 128),
-            index_n_heads=d.get("index_n_heads", 64),
-            index_head_dim=d.get("index_head_dim", 128),
-            index_topk=d.get("index_topk", 512),
-            hc_mult=d.get("hc_mult", 4),
-            hc_sinkhorn_iters=d.get("hc_sinkhorn_iters", 20),
-            hc_eps=float(d.get("hc_eps", 1e-6)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            main_rope=main_rope,
-            compress_rope=compress_rope,
-            max_position_embeddings=d.get("max_position_embeddings", 1048576),
-            bos_token_id=d.get("bos_token_id", 0),
-            eos_token_ids=eos_ids,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )._validated()
+
+    @classmethod
+    def _from_v41_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """V4.1: layer kinds follow from the compress ratios and the kv sources; every MoE is top-k routed."""
+        n_layers = _require(d, "num_hidden_layers")
+        ratios = compress_ratios(d, n_layers)
+        if len(ratios) != n_layers or any(r < 0 for r in ratios):
+            raise ConfigError(f"compress_ratios must give {n_layers} non-negative entries, got {list(ratios)}")
+        shared = shared_compression(d, ratios)
+        layer_types = tuple(SHARED_COMPRESSED if i in shared.kv_sources else SLIDING for i in range(n_layers))
+        return cls(
+            **_common_fields(d, index_n_heads=32, rms_norm_eps=1e-20),
+            model_type=d["model_type"],
+            num_layers=n_layers,
+            layer_types=layer_types,
+            compress_rates=ratios,
+            mlp_layer_types=(MOE,) * n_layers,
+            shared_compression=shared,
+            engram=engram_spec(d, n_layers),
+            gate_temp=float(d.get("gate_temp", 1.0)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         )._validated()
 
     def _validated(self) -> "ModelConfig":
+        if self.gate_temp <= 0:
+            raise ConfigError(f"gate_temp {self.gate_temp} must be > 0")
         if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
             raise ConfigError(f"scoring_func {self.scoring_func!r} is not one of sqrtsoftplus, softmax, sigmoid")
         if self.num_heads * self.head_dim % self.o_groups:
             raise ConfigError("o_groups must divide num_attention_heads * head_dim")
         if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
             raise ConfigError(f"rope head dim {self.rope_head_dim} must be even and <= head_dim")
-        if self.rope_head_dim > self.index_head_dim and CSA in self.layer_types:
+        has_indexer = CSA in self.layer_types or bool(self.shared_compression and self.shared_compression.index_sources)
+        if self.rope_head_dim > self.index_head_dim and has_indexer:
             raise ConfigError("index_head_dim must be at least the rope head dim")
         return self
+
+
+def _common_fields(d: dict[str, Any], index_n_heads: int, rms_norm_eps: float) -> dict[str, Any]:
+    """Keys V4 and V4.1 share, with the family's defaults where they differ."""
+    head_dim = d.get("head_dim", 512)
+    rope_head_dim = _rope_head_dim(d, head_dim)
+    main_rope, compress_rope = _rope_specs(d, rope_head_dim)
+    eos = d.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dict(
+        vocab_size=d.get("vocab_size", 129280),
+        hidden_size=d.get("hidden_size", 4096),
+        num_heads=d.get("num_attention_heads", 64),
+        head_dim=head_dim,
+        rope_head_dim=rope_head_dim,
+        q_lora_rank=d.get("q_lora_rank", 1024),
+        o_groups=d.get("o_groups", 8),
+        o_lora_rank=d.get("o_lora_rank", 1024),
+        n_routed_experts=d.get("n_routed_experts", 256),
+        num_experts_per_tok=d.get("num_experts_per_tok", 6),
+        moe_intermediate_size=d.get("moe_intermediate_size", 2048),
+        n_shared_experts=d.get("n_shared_experts", 1),
+        scoring_func=d.get("scoring_func", "sqrtsoftplus"),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(d.get("swiglu_limit", 10.0)),
+        sliding_window=d.get("sliding_window", 128),
+        index_n_heads=d.get("index_n_heads", index_n_heads),
+        index_head_dim=d.get("index_head_dim", 128),
+        index_topk=d.get("index_topk", 512),
+        hc_mult=d.get("hc_mult", 4),
+        hc_sinkhorn_iters=d.get("hc_sinkhorn_iters", 20),
+        hc_eps=float(d.get("hc_eps", 1e-6)),
+        rms_norm_eps=float(d.get("rms_norm_eps", rms_norm_eps)),
+        main_rope=main_rope,
+        compress_rope=compress_rope,
+        max_position_embeddings=d.get("max_position_embeddings", 1048576),
+        bos_token_id=d.get("bos_token_id", 0),
+        eos_token_ids=eos_ids,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
 
 
 def _require(d: dict[str, Any], key: str) -> Any:

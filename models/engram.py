@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engram_store.rows import RowSource
+from models.batch import ForwardBatch
+from models.engram_hash import NgramHasher
+
 GATE_FLOOR = 1e-6
 
 
@@ -41,3 +45,29 @@ class EngramFusion(nn.Module):
         _, dot, value = self.gate_terms(streams, rows)
         gate = self.gate(dot, live)
         return (streams.float() + gate[..., None] * value[:, None, :]).to(streams.dtype)
+
+
+class EngramMemory:
+    """Everything an Engram forward needs besides the fusion weights: the n-gram hasher (from the
+    checkpoint's tokenizer) and the row source (in memory here; engram_store/ streams from disk).
+
+    Row ids depend only on tokens, so one call hashes the whole step for every Engram layer; each slot's
+    look-back (the last max_ngram - 1 compressed ids) is carried in the cache between steps."""
+
+    def __init__(self, hasher: NgramHasher, rows: RowSource) -> None:
+        self.hasher, self.source = hasher, rows
+
+    def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
+        """[T, engram layers, columns] int64 row ids of the step's tokens; advances `context` [slots, N-1]."""
+        per_chunk = []
+        tokens = batch.token_ids.tolist()
+        for chunk in batch.chunks:
+            carried = self.hasher.empty_context() if chunk.position == 0 else context[chunk.slot].tolist()
+            ids, carried = self.hasher.row_ids(tokens[chunk.rows], None, carried)
+            context[chunk.slot] = torch.tensor(carried, dtype=context.dtype)
+            per_chunk.append(torch.from_numpy(ids))
+        return torch.cat(per_chunk)
+
+    def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
+        """[T, columns, head_dim] float32 rows of the `layer_index`-th Engram layer."""
+        return self.source.rows(layer_index, row_ids[:, layer_index])

@@ -26,7 +26,14 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed [T, D])."""
+        """V4: streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed [T, D]), collapsed with this
+        site's own `pre`."""
+        pre, post, comb = self.mixes(streams)
+        return post, comb, collapse(pre, streams)
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]) in float32. V4.1 collapses with
+        the previous site's `pre`, so it needs the mixes without the collapse."""
         n = self.n
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -35,9 +42,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = self._sinkhorn(comb)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return pre, post, self._sinkhorn(comb)
 
     def _sinkhorn(self, comb: torch.Tensor) -> torch.Tensor:
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
@@ -45,6 +50,11 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         return comb
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[k] * streams[k] in float32, cast back to the stream dtype: the sublayer input."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 def merge_streams(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -66,4 +76,4 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapse(pre, streams)

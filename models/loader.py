@@ -12,6 +12,7 @@ the MTP layer (`mtp.*`), which serving does not run. Errors name the tensor and 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,13 +20,15 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
+from models.engram_setup import engram_memory
 from models.model import DeepseekV4
+from models.model_v41 import DeepseekV41
 from models.weight_names import NameIndex
 
 IGNORED_PREFIXES = ("mtp.",)
 # Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
-FLOAT32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.")
+FLOAT32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.", "engram.")
 
 
 class CheckpointError(ValueError):
@@ -41,8 +44,9 @@ class TensorSource:
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: directory / file for name, file in weight_map.items()}
-        else:
-            files = sorted(directory.glob("*.safetensors"))
+        else:  # a lone model.safetensors is the checkpoint; other files beside it are not weights
+            single = directory / "model.safetensors"
+            files = [single] if single.exists() else sorted(directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{directory}: no *.safetensors files")
             self.files = {}
@@ -102,6 +106,23 @@ class WeightReader:
             f"nor packed FP4 for shape {tuple(shape)} (stored {tuple(tensor.shape)}, {tensor.dtype})"
         )
 
+    def read_engram_table(self, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [rows, head_dim], scales [rows, head_dim / block]) of `model.engram_tables.<layer>`,
+        as stored: fp8 values with power-of-two scales, or float rows (with a unit scale column)."""
+        name = f"model.engram_tables.{layer}.weight"
+        names = self.source.names()
+        if name not in names:
+            raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
+        values = self._take(name)
+        scale_name = next((n for n in (name + "_scale_inv", name[: -len("weight")] + "scale") if n in names), None)
+        scales = self._take(scale_name) if scale_name else torch.ones(values.shape[0], 1)
+        if values.dim() != 2 or values.shape[1] != head_dim or scales.shape[0] != values.shape[0] or head_dim % scales.shape[1]:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.source.where(name)} has shape {tuple(values.shape)} with scales "
+                f"{tuple(scales.shape)}; expected [rows, {head_dim}] and [rows, {head_dim} / block]"
+            )
+        return values, scales
+
     def _take(self, name: str) -> torch.Tensor:
         self.consumed.add(name)
         return self.source.get(name)
@@ -121,13 +142,21 @@ def _target_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.d
     return torch.float32 if any(marker in name for marker in FLOAT32_MARKERS) else dtype
 
 
-def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV4:
+def load_model(
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    simulate_quantization: bool = True,
+) -> DeepseekV4 | DeepseekV41:
+    """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons)."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
+    if config.is_v41 and not simulate_quantization:
+        config = replace(config, simulate_quantization=False)
     with torch.device("meta"):
-        model = DeepseekV4(config)
+        model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
     reader = WeightReader(TensorSource(directory))
-    index = NameIndex.build(reader.source.names())
+    index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
     for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if full_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -136,6 +165,11 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
         _assign(model, full_name, value)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if config.engram is not None:
+        try:
+            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device)
+        except ConfigError as exc:
+            raise CheckpointError(f"{directory}: {exc}") from exc
     unexpected = sorted(
         name for name in reader.source.names() - reader.consumed if not name.startswith(IGNORED_PREFIXES)
     )

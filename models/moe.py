@@ -4,6 +4,9 @@ Scores are score_fn(router logits) (`sqrtsoftplus` in V4); top-k picks on score 
 but weights use the plain scores, renormalised over the chosen experts and scaled by
 `routed_scaling_factor`. Hash layers take the experts from a frozen token-id table instead. Both
 SwiGLU paths clamp: gate from above, up on both sides, at `swiglu_limit`.
+V4.1 differences: the router runs in float32 on logits divided by `gate_temp`, renormalises only when
+`norm_topk_prob` and top_k > 1, applies each expert's weight before its down projection, and sizes the
+shared expert at `moe_intermediate_size` whatever `n_shared_experts` says.
 """
 
 from __future__ import annotations
@@ -31,22 +34,29 @@ class Router(nn.Module):
         super().__init__()
         self.top_k, self.hashed = config.num_experts_per_tok, hashed
         self.scale = config.routed_scaling_factor
+        self.temperature = config.gate_temp
+        self.renormalize = not config.is_v41 or (config.norm_topk_prob and self.top_k > 1)
         self.score_fn = SCORE_FUNCTIONS[config.scoring_func]
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+            if config.is_v41:  # V4.1's bias for image tokens: loaded with the checkpoint, unused for text
+                self.register_buffer(
+                    "e_score_correction_bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32)
+                )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k], expert ids [T, k])."""
-        scores = self.score_fn(F.linear(x, self.weight))
+        scores = self.score_fn(F.linear(x.float(), self.weight.float()) / self.temperature)
         if self.hashed:
             experts = self.tid2eid[token_ids].long()
         else:
             _, experts = stable_topk(scores + self.e_score_correction_bias, self.top_k)
         weights = scores.gather(1, experts)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, experts
 
 
@@ -57,23 +67,29 @@ class Experts(nn.Module):
         super().__init__()
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.limit = config.swiglu_limit
+        self.weight_before_down = config.is_v41
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in torch.unique(experts).tolist():
             token_rows, slot = torch.where(experts == expert)
+            weight = weights[token_rows, slot, None]
             gate, up = F.linear(x[token_rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
-            out.index_add_(0, token_rows, (y * weights[token_rows, slot, None]).to(out.dtype))
+            hidden = clamped_swiglu(gate.float(), up.float(), self.limit)
+            if self.weight_before_down:
+                y = F.linear((hidden * weight).to(x.dtype), self.down_proj[expert]).float()
+            else:
+                y = F.linear(hidden.to(x.dtype), self.down_proj[expert]).float() * weight
+            out.index_add_(0, token_rows, y)
         return out
 
 
 class SharedExpert(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        d, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        d, i = config.hidden_size, config.moe_intermediate_size * (1 if config.is_v41 else config.n_shared_experts)
         self.limit = config.swiglu_limit
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
@@ -92,4 +108,4 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, token_ids)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        return (self.experts(x, weights, experts) + self.shared_experts(x).float()).to(x.dtype)

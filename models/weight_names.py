@@ -69,11 +69,13 @@ class NameIndex:
     experts: dict[str, ExpertParts]  # "model.layers.N.mlp.experts" -> per-expert parts
 
     @classmethod
-    def build(cls, stored_names: set[str]) -> "NameIndex":
+    def build(cls, stored_names: set[str], module_names: bool = False) -> "NameIndex":
+        """`module_names`: the checkpoint already uses this model's module names (V4.1, whose names are
+        HF's; the V4 release renames would misread some of them, e.g. `engram.wkv`)."""
         direct: dict[str, str] = {}
         experts: dict[str, ExpertParts] = defaultdict(ExpertParts)
         for stored in sorted(stored_names):
-            name = module_name(stored)
+            name = stored if module_names else module_name(stored)
             match = _EXPERT.match(name)
             if match:
                 experts[match.group(1)].by_expert[int(match.group(2))][match.group(3)] = stored

@@ -1,0 +1,158 @@
+"""DeepSeek-V4.1 attention: window MQA over fp8-rounded K=V plus, on layers with a compress ratio,
+the compressed entries the layer's index source picked for each query (shared CSA2 state).
+
+Differences from V4 (models/attention.py): no per-head norm on q; the window K=V is rounded through
+fp8 (ue8m0 per 32) before it is cached; compressed entries come from the most recent kv source's store
+and the selection from the most recent index source, so a layer may own neither. Every query sees
+its window keys, its picked entries and the head's sink as separate softmax columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import fake_quant_fp8_ue8m0
+from models.attention import GroupedLinear, window_keys
+from models.batch import ForwardBatch, SequenceChunk
+from models.cache import ModelCache
+from models.config import ModelConfig
+from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
+from models.layers import RMSNorm, RotaryTable, apply_rope
+
+
+@dataclass
+class SelectionTrace:
+    """Debug record of what the index sources chose, per layer, one entry per chunk in batch order."""
+
+    topk: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    candidates: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # entry masks [n, T]
+    engram_row_ids: list[torch.Tensor] = field(default_factory=list)  # [T, engram layers, columns] per forward
+
+
+class SharedCompressedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c, shared = config, config.shared_compression
+        self.layer, self.num_heads, self.head_dim = layer, c.num_heads, c.head_dim
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        self.quantize_kv = fake_quant_fp8_ue8m0 if c.simulate_quantization else (lambda x: x)
+        compressed = c.compress_rates[layer] > 0
+        self.rope = RotaryTable(c.compress_rope if compressed else c.main_rope)
+        # Where this layer's compressed branch reads from (None: window only).
+        self.kv_source = shared.kv_source_for(layer) if compressed else None
+        key_owners = [i for i in shared.index_sources if i in shared.kv_sources and i <= layer]
+        self.key_source = key_owners[-1] if key_owners else None
+        self.visible_rate = c.compress_rates[self.kv_source] if self.kv_source is not None else 0
+        self.key_rate = c.compress_rates[self.key_source] if self.key_source is not None else 0
+        self.compressor = None
+        if layer in shared.kv_sources:
+            self.compressor = SharedCompressor(
+                c.hidden_size, c.head_dim, c.compress_rates[layer], c.rms_norm_eps, c.simulate_quantization
+            )
+        self.indexer = None
+        if layer in shared.index_sources:
+            self.indexer = SharedIndexer(
+                c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.head_dim, c.index_topk,
+                owns_keys=layer in shared.kv_sources, eps=c.rms_norm_eps, simulate_quantization=c.simulate_quantization,
+            )
+        # The indexer that also turns this layer's new entries into index keys.
+        self.key_maker = self.indexer if self.compressor is not None and self.indexer is not None else None
+        self.is_candidate_source = layer == shared.candidate_source
+        self.constrained = shared.candidate_source is not None and shared.candidate_source < layer
+        self.block_size, self.top_blocks = shared.candidate_block_size, shared.candidate_topk_blocks
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: ModelCache,
+        selections: list[ChunkSelection],
+        trace: SelectionTrace | None,
+    ) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        cos, sin = self.rope(batch.positions)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = apply_rope(self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos, sin)
+        kv = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        out = torch.empty_like(q)
+        for index, chunk in enumerate(batch.chunks):
+            rows = chunk.rows
+            if self.compressor is not None:
+                self.compressor.update(chunk, x[rows], cache.layers[self.layer].shared, self.rope, self.key_maker)
+            if self.indexer is not None:
+                self._select(chunk, x[rows], q_residual[rows], cache, selections[index], cos[rows], sin[rows], trace)
+            keys, bias = window_keys(chunk, kv[rows], cache.layers[self.layer].window)
+            picked = self._picked_entries(chunk, cache, selections[index])
+            out[rows] = self._attend(q[rows], keys, bias, picked)
+        out = apply_rope(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.flatten(1)))
+
+    def _picked_entries(
+        self, chunk: SequenceChunk, cache: ModelCache, selection: ChunkSelection
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([n, k, head_dim] entries, [n, k] valid) each query attends besides its window, or None."""
+        if self.kv_source is None or selection.topk is None:
+            return None
+        entries = cache.layers[self.kv_source].shared.entries[chunk.slot]
+        ids = selection.topk
+        return entries[ids.clamp(min=0)], ids >= 0
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        scale = self.head_dim**-0.5
+        columns = [torch.einsum("nhd,kd->hnk", q, keys) * scale + bias[None]]
+        if picked is not None:
+            entries, valid = picked
+            picked_scores = torch.einsum("nhd,nkd->hnk", q, entries.to(q.dtype)) * scale
+            columns.append(picked_scores.masked_fill(~valid[None], float("-inf")))
+        columns.append(self.sinks.to(q.dtype)[:, None, None].expand(-1, q.shape[0], 1))
+        logits = torch.cat(columns, dim=-1)
+        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1).to(q.dtype)
+        n_keys = keys.shape[0]
+        out = torch.einsum("hnk,kd->nhd", probs[..., :n_keys], keys)
+        if picked is not None:
+            out = out + torch.einsum("hnk,nkd->nhd", probs[..., n_keys:-1], picked[0].to(q.dtype))
+        return out
+
+    def _select(
+        self,
+        chunk: SequenceChunk,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        cache: ModelCache,
+        selection: ChunkSelection,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        trace: SelectionTrace | None,
+    ) -> None:
+        """Scores the entries of the latest key owner for the chunk's queries and publishes the top-k."""
+        n_keys = chunk.end_position // self.key_rate
+        positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
+        visible = torch.div(positions + 1, self.visible_rate, rounding_mode="floor")
+        selection.topk = None
+        if n_keys > 0:
+            keys = cache.layers[self.key_source].shared.index_keys[chunk.slot, :n_keys]
+            scores = self.indexer.scores(x, q_residual, keys, visible, cos, sin)
+            if self.is_candidate_source:
+                selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
+                if trace is not None:
+                    mask = expand_blocks(selection.candidate_blocks, n_keys, self.block_size)
+                    trace.candidates.setdefault(self.layer, []).append(mask)
+            elif self.constrained and selection.candidate_blocks is not None:
+                allowed = expand_blocks(selection.candidate_blocks, n_keys, self.block_size)
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            selection.topk = self.indexer.top(scores)
+        if trace is not None:
+            trace.topk.setdefault(self.layer, []).append(selection.topk)

@@ -1,0 +1,110 @@
+"""DeepSeek-V4.1 text model for serving: V4's shape with CSA2 attention, Engram layers and
+"single-pass" mHC.
+
+Single-pass mHC: each site's `pre` mix is computed from the streams it sees but collapses the streams
+at the NEXT site; the first attention collapses with stream 0 alone, and the last `pre` feeds the final
+norm (there is no hc_head). Engram layers inject their n-gram memory into the streams at the very
+start of the layer, before that layer's mixes are computed. Names follow HF's DeepseekV41 modules, so
+the reference's `save_pretrained` output loads by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention_v41 import SelectionTrace, SharedCompressedAttention
+from models.batch import ForwardBatch
+from models.cache import ModelCache
+from models.config import ModelConfig
+from models.csa2 import ChunkSelection
+from models.engram import EngramFusion, EngramMemory
+from models.hyper import HyperConnection, collapse, merge_streams
+from models.layers import RMSNorm
+from models.moe import MoE
+
+
+class DecoderLayerV41(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = SharedCompressedAttention(config, layer)
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        spec = config.engram
+        self.engram = None
+        if spec is not None and layer in spec.layer_ids:
+            self.engram = EngramFusion(config.hidden_size, config.hc_mult, spec.n_columns, spec.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre: torch.Tensor,
+        batch: ForwardBatch,
+        cache: ModelCache,
+        selections: list[ChunkSelection],
+        trace: SelectionTrace | None,
+        engram_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre)."""
+        if self.engram is not None:
+            streams = self.engram(streams, engram_rows)
+        attn_pre, post, comb = self.attn_hc.mixes(streams)
+        out = self.self_attn(self.input_layernorm(collapse(pre, streams)), batch, cache, selections, trace)
+        streams = merge_streams(streams, post, comb, out)
+        ffn_pre, post, comb = self.ffn_hc.mixes(streams)
+        out = self.mlp(self.post_attention_layernorm(collapse(attn_pre, streams)), batch.token_ids)
+        return merge_streams(streams, post, comb, out), ffn_pre
+
+
+class BackboneV41(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayerV41(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV41(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = BackboneV41(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.engram_memory: EngramMemory | None = None  # attached by the loader (needs the tokenizer)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None) -> torch.Tensor:
+        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab].
+        `trace`, when given, records the indexers' selections and the Engram row ids (tests, debugging)."""
+        for chunk in batch.chunks:
+            assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
+            assert chunk.end_position <= cache.max_len, f"slot {chunk.slot} would pass max_len {cache.max_len}"
+        engram_row_ids = self._engram_row_ids(batch, cache, trace)
+        embedded = self.model.embed_tokens(batch.token_ids)
+        hc = self.config.hc_mult
+        streams = embedded.unsqueeze(1).expand(-1, hc, -1).contiguous()
+        pre = torch.zeros(streams.shape[0], hc, dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0
+        selections = [ChunkSelection() for _ in batch.chunks]
+        engram_index = {layer: i for i, layer in enumerate(self.config.engram.layer_ids)} if self.config.engram else {}
+        for index, layer in enumerate(self.model.layers):
+            rows = None
+            if index in engram_index:
+                rows = self.engram_memory.rows(engram_index[index], engram_row_ids)
+            streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
+        last = batch.logits_rows
+        hidden = self.model.norm(collapse(pre[last], streams[last]))
+        return self.lm_head(hidden).float()
+
+    def _engram_row_ids(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> torch.Tensor | None:
+        if self.config.engram is None:
+            return None
+        if self.engram_memory is None:
+            raise RuntimeError("this V4.1 checkpoint has Engram layers but no Engram memory was attached")
+        ids = self.engram_memory.row_ids(batch, cache.engram_context)
+        if trace is not None:
+            trace.engram_row_ids.append(ids)
+        return ids
