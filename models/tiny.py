@@ -1,11 +1,13 @@
-"""The tiny default checkpoint: a small DeepSeek-V4 with seeded random weights and its own tokenizer.
+"""The tiny default checkpoint: a small DeepSeek-V4.1 (or V4) with seeded random weights and its own
+tokenizer.
 
 Everything is deterministic (fixed corpus, fixed seed), so `make tiny-model` on any machine writes
-the same model. It exercises every V4 feature (sliding, CSA and HCA layers, hash and top-k MoE,
-mHC with 4 streams, YaRN on the compressed branches) at sizes a CPU runs in milliseconds.
-It is not a trained model: its text is noise, its tokens are what the tests compare.
+the same model, at sizes a CPU runs in milliseconds. The V4.1 default exercises CSA2 (ratio 2 and
+ratio 1 kv sources, a re-indexing layer, the two-level top-k), the simulated fp8/fp4 formats and
+Engram on two layers with fp8 tables; `--family v4` writes a V4 (sliding, CSA and HCA layers, hash and
+top-k MoE). It is not a trained model: its text is noise, its tokens are what the tests compare.
 
-    python -m models.tiny --out checkpoints/tiny
+    python -m models.tiny --out checkpoints/tiny [--family v4]
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kernels.fake_quant import FP8_MAX, pow2_ceil
 from models.config import ModelConfig
+from models.engram_setup import engram_hasher
 from models.model import DeepseekV4
+from models.model_v41 import DeepseekV41
 
 SPECIAL_TOKENS = [
     "<｜begin▁of▁sentence｜>",
@@ -107,11 +112,86 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
     return {key: value for key, value in config.items() if value is not None}
 
 
+def tiny_v41_config_dict(**overrides: Any) -> dict[str, Any]:
+    """HF DeepseekV41TextConfig keys (the flat `deepseek_v41_text` form); overrides replace keys (None
+    drops one). The Engram sizes that depend on the tokenizer are filled in by the builder."""
+    config: dict[str, Any] = {
+        "model_type": "deepseek_v41_text",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "vocab_size": TOKENIZER_VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "compress_ratios": [0, 2, 2, 1, 1, 0],
+        "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 3, 4],
+        "candidate_source_layer_id": 3,
+        "candidate_block_size": 8,
+        "candidate_topk_blocks": 2,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "gate_temp": 1.0,
+        "norm_topk_prob": True,
+        "sliding_window": 16,
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 8,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {
+                "rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.25, "factor": 16.0,
+                "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0,
+            },
+        },
+        "engram_layer_ids": [1, 4],
+        "engram_vocab_size": 2000,
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_pad_id": 2,
+        "num_nextn_predict_layers": 0,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    config.update(overrides)
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def quantize_engram_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float rows -> (float8_e4m3fn values, float32 power-of-two scales per 32 channels), as V4.1 stores
+    its tables (`weight` and `weight_scale_inv`)."""
+    blocks = rows.float().view(rows.shape[0], -1, 32)
+    scales = pow2_ceil(blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / FP8_MAX)
+    values = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(rows.shape), scales.squeeze(-1)
+
+
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Seeded weights scaled so activations stay O(1) through every layer (no dead branches)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        model = DeepseekV4(config)
+        model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std + mean
@@ -126,7 +206,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             weights[name] = normal(shape, 0.1, mean=1.0)
         elif leaf in ("scale", "hc_scale"):
             weights[name] = torch.rand(shape, generator=generator) + 0.5
-        elif leaf in ("base", "hc_base", "e_score_correction_bias"):
+        elif leaf in ("q_weight", "k_weight"):
+            weights[name] = normal(shape, 0.3, mean=1.0)
+        elif leaf in ("base", "hc_base", "e_score_correction_bias", "e_score_correction_bias_vl"):
             weights[name] = normal(shape, 0.1)
         elif leaf in ("sinks", "position_bias"):
             weights[name] = normal(shape, 0.5)
@@ -134,6 +216,11 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             weights[name] = normal(shape, 1.0)
         else:  # projections: fan-in is the last dim
             weights[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
+    if config.engram is not None:
+        for layer, rows in zip(config.engram.layer_ids, config.engram.num_embeddings):
+            values, scales = quantize_engram_rows(normal(torch.Size((rows, config.engram.head_dim)), 1.0))
+            weights[f"model.engram_tables.{layer}.weight"] = values
+            weights[f"model.engram_tables.{layer}.weight_scale_inv"] = scales
     return weights
 
 
@@ -153,13 +240,23 @@ def build_tokenizer(path: Path) -> None:
     tokenizer.save(str(path))
 
 
-def build_tiny_checkpoint(out: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
-    """Writes config.json, model.safetensors, tokenizer.json and friends into `out`."""
+def build_tiny_checkpoint(out: str | Path, seed: int = 0, family: str = "v41", **config_overrides: Any) -> Path:
+    """Writes config.json, model.safetensors, tokenizer.json and friends into `out`.
+    `family`: "v41" (the default model) or "v4"; `config_overrides` replace that family's keys."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = tiny_config_dict(**config_overrides)
+    if family not in ("v4", "v41"):
+        raise ValueError(f"family {family!r} is not 'v4' or 'v41'")
+    raw = tiny_config_dict(**config_overrides) if family == "v4" else tiny_v41_config_dict(**config_overrides)
     build_tokenizer(out / "tokenizer.json")
     config = ModelConfig.from_dict(raw)
+    if config.engram is not None:  # table sizes and the compressed vocabulary follow from the tokenizer
+        from tokenizers import Tokenizer
+
+        hasher = engram_hasher(config.engram, Tokenizer.from_file(str(out / "tokenizer.json")))
+        raw["engram_compressed_vocab_size"] = int(hasher.lookup.max()) + 1
+        raw["engram_num_embeddings"] = list(hasher.layout.num_embeddings)
+        config = ModelConfig.from_dict(raw)
     save_file({k: v.contiguous() for k, v in random_weights(config, seed).items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(
@@ -181,8 +278,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="checkpoints/tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=["v41", "v4"], default="v41")
     args = parser.parse_args()
-    print(build_tiny_checkpoint(args.out, seed=args.seed))
+    print(build_tiny_checkpoint(args.out, seed=args.seed, family=args.family))
 
 
 if __name__ == "__main__":

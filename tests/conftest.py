@@ -44,13 +44,43 @@ ORACLE_CONFIGS = {
 }
 ORACLE_SEQ_LEN = {"mixed": 100, "csa": 64, "legacy": 96}
 
+# V4.1 checkpoints (no HF oracle exists for them in transformers 5.24; they are checked against the
+# golden data and against themselves: cached vs one-shot, batched vs alone).
+V41_CONFIGS = {
+    # the default tiny model: ratio-2 and ratio-1 kv sources, a re-indexing layer, two-level top-k,
+    # Engram on two layers with fp8 tables
+    "v41": {},
+    # the rules in their other corners: ratio 4, a kv source that is not an index source, a re-indexing
+    # source, no candidate source, no Engram, head dims the fp8 / indexer fp4 blocks do not divide,
+    # 2 streams, 3 experts per token without renormalisation, gate temperature, eps 1e-6
+    "v41_variant": dict(
+        num_hidden_layers=7,
+        head_dim=48,
+        compress_ratios=[0, 4, 4, 1, 2, 2, 0],
+        kv_source_layer_ids=[1, 3, 4],
+        index_source_layer_ids=[1, 2, 4],
+        candidate_source_layer_id=-1,
+        index_head_dim=24,
+        index_topk=5,
+        hc_mult=2,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        gate_temp=1.5,
+        rms_norm_eps=1e-6,
+        sliding_window=12,
+        engram_layer_ids=None,
+    ),
+}
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
     for name, overrides in ORACLE_CONFIGS.items():
-        out[name] = build_tiny_checkpoint(root / name, seed=len(name), **overrides)
+        out[name] = build_tiny_checkpoint(root / name, seed=len(name), family="v4", **overrides)
+    for name, overrides in V41_CONFIGS.items():
+        out[name] = build_tiny_checkpoint(root / name, seed=len(name), family="v41", **overrides)
     return out
 
 
