@@ -2,54 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 import torch
 
 from tests.conftest import hf_logits, hf_model, random_tokens
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.serving import running_server
 
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(checkpoints["mixed"]), "--port", str(port),
-         "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        process.kill()
-        pytest.fail("server did not become healthy")
-    yield base
-    process.terminate()
-    process.wait(timeout=30)
+    with running_server(checkpoints["mixed"], "tiny", "--max-model-len", "512") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
