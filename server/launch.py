@@ -28,39 +28,21 @@ def ensure_default_model(model_dir: Path) -> None:
 
 
 def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
-    import torch
-
-    from models import ModelConfig, load_model
-    from scheduler import EngineCore, Scheduler, SchedulerLimits
-    from worker import ModelRunner
+    from models import ModelConfig
+    from worker.engine_factory import build_engine_core
 
     if config.parallel.tensor_parallel_size != 1:
         raise ConfigFileError("parallel.tensor_parallel_size: only 1 is supported in this version")
-    device = "cuda" if config.runtime.device == "cuda" or (config.runtime.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if config.model.dtype == "auto":
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, config.model.dtype)
     model_dir = config.model_dir
     ensure_default_model(model_dir)
     model_config = ModelConfig.from_file(model_dir / "config.json")
-    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     tokenizer = TextTokenizer(model_dir, model_config.bos_token_id)
-    model = load_model(model_dir, dtype=dtype, device=device)
-    runner = ModelRunner(model, config.scheduler.max_num_seqs, max_model_len, device=device)
-    limits = SchedulerLimits(
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        vocab_size=model_config.vocab_size,
-        eos_token_ids=model_config.eos_token_ids,
-    )
     client = EngineClient()
-    engine = EngineCore(Scheduler(limits), runner, client.on_output)
+    engine, spec = build_engine_core(config, client.on_output)
     engine.start()
     client.connect(engine.submit, engine.abort, engine.scheduler.validate)
-    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=max_model_len)
+    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=spec.max_model_len)
     app = create_app(client, tokenizer, served, config.api_keys(api_key))
     app.router.on_shutdown.append(engine.stop)
-    log.info("serving %s (%s, %s) as %r", model_dir, device, dtype, served.name)
+    log.info("serving %s (%s, %s) as %r", model_dir, spec.device, spec.dtype, served.name)
     return app
