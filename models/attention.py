@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import ForwardBatch, SequenceChunk
-from models.cache import LayerCache
+from models.cache import LayerCache, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
@@ -95,11 +96,18 @@ class Attention(nn.Module):
             entries, visible = self._compressed_keys(chunk, x, q_residual, cache, cos, sin)
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
+        if batch_invariant_active():
+            return self._attend_per_query(q, keys, bias)
         scores = torch.einsum("nhd,kd->hnk", q, keys) * self.head_dim**-0.5 + bias[None]
         sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, chunk.length, 1)
         logits = torch.cat([scores, sink], dim=-1)
         probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
         return torch.einsum("hnk,kd->nhd", probs.to(keys.dtype), keys)
+
+    def _attend_per_query(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode: each query over exactly its visible window keys and entries."""
+        scale = self.head_dim**-0.5
+        return torch.stack([attend_one_query(q[i], keys[bias[i] == 0], self.sinks, scale) for i in range(q.shape[0])])
 
     def _compressed_keys(
         self,
@@ -112,7 +120,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rate = self.compressor.rate
         n_entries = chunk.end_position // rate
-        entries = cache.compressor.entries[chunk.slot, :n_entries]
+        entries = paged_read(cache.compressor.entries, chunk.pages, n_entries)
         if self.kind == CSA:
             visible = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
         else:

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
+from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.attention import GroupedLinear, window_keys
 from models.batch import ForwardBatch, SequenceChunk
-from models.cache import ModelCache
+from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
 from models.layers import RMSNorm, RotaryTable, apply_rope
@@ -104,14 +105,15 @@ class SharedCompressedAttention(nn.Module):
         """([n, k, head_dim] entries, [n, k] valid) each query attends besides its window, or None."""
         if self.kv_source is None or selection.topk is None:
             return None
-        entries = cache.layers[self.kv_source].shared.entries[chunk.slot]
         ids = selection.topk
-        return entries[ids.clamp(min=0)], ids >= 0
+        return paged_gather(cache.layers[self.kv_source].shared.entries, chunk.pages, ids.clamp(min=0)), ids >= 0
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
         scale = self.head_dim**-0.5
+        if batch_invariant_active():
+            return self._attend_per_query(q, keys, bias, picked, scale)
         columns = [torch.einsum("nhd,kd->hnk", q, keys) * scale + bias[None]]
         if picked is not None:
             entries, valid = picked
@@ -125,6 +127,19 @@ class SharedCompressedAttention(nn.Module):
         if picked is not None:
             out = out + torch.einsum("hnk,nkd->nhd", probs[..., n_keys:-1], picked[0].to(q.dtype))
         return out
+
+    def _attend_per_query(
+        self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Deterministic mode: each query over exactly its window keys and valid picked entries."""
+        out = []
+        for i in range(q.shape[0]):
+            own = keys[bias[i] == 0]
+            if picked is not None:
+                own = torch.cat([own, picked[0][i][picked[1][i]].to(own.dtype)])
+            out.append(attend_one_query(q[i], own, self.sinks, scale))
+        return torch.stack(out)
 
     def _select(
         self,
@@ -143,7 +158,7 @@ class SharedCompressedAttention(nn.Module):
         visible = torch.div(positions + 1, self.visible_rate, rounding_mode="floor")
         selection.topk = None
         if n_keys > 0:
-            keys = cache.layers[self.key_source].shared.index_keys[chunk.slot, :n_keys]
+            keys = paged_read(cache.layers[self.key_source].shared.index_keys, chunk.pages, n_keys)
             scores = self.indexer.scores(x, q_residual, keys, visible, cos, sin)
             if self.is_candidate_source:
                 selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)

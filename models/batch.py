@@ -7,17 +7,20 @@ attention layers read; it travels as one object instead of through every layer's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    slot: int  # cache slot of the sequence
+    slot: int  # cache slot of the sequence (its fixed-size state: window rings, partial groups, look-back)
     start: int  # first row of this chunk in the flat token batch
     length: int  # new tokens
     position: int  # position of the first new token == tokens the slot already holds
+    # The sequence's block table: page i holds its compressed entries for tokens
+    # [i * block_tokens, (i + 1) * block_tokens) in every paged layer. None: the slot's default pages.
+    pages: torch.Tensor | None = None
 
     @property
     def rows(self) -> slice:
@@ -36,14 +39,14 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are wanted
 
     @classmethod
-    def build(
-        cls, sequences: list[tuple[int, list[int], int]], logits: str | list[list[int]] = "last"
-    ) -> "ForwardBatch":
-        """sequences: (slot, new token ids, cached length). logits: "last", "all", or rows per sequence
-        relative to each chunk."""
+    def build(cls, sequences: list[tuple], logits: str | list[list[int]] = "last") -> "ForwardBatch":
+        """sequences: (slot, new token ids, cached length[, page ids]). logits: "last", "all", or rows per
+        sequence relative to each chunk. Without page ids a chunk uses its slot's default pages
+        (ModelCache.allocate without an explicit page count gives every slot max_len worth)."""
         chunks, ids, positions, rows = [], [], [], []
-        for index, (slot, tokens, cached) in enumerate(sequences):
-            chunk = SequenceChunk(slot=slot, start=len(ids), length=len(tokens), position=cached)
+        for index, (slot, tokens, cached, *pages) in enumerate(sequences):
+            table = torch.tensor(pages[0], dtype=torch.long) if pages else None
+            chunk = SequenceChunk(slot=slot, start=len(ids), length=len(tokens), position=cached, pages=table)
             chunks.append(chunk)
             ids.extend(tokens)
             positions.extend(range(cached, cached + len(tokens)))
@@ -59,3 +62,12 @@ class ForwardBatch:
             chunks=tuple(chunks),
             logits_rows=torch.tensor(rows, dtype=torch.long),
         )
+
+    def with_pages(self, default_pages) -> "ForwardBatch":
+        """The same batch with every chunk's block table filled in (`default_pages(slot)` where missing)."""
+        if all(chunk.pages is not None for chunk in self.chunks):
+            return self
+        chunks = tuple(
+            chunk if chunk.pages is not None else replace(chunk, pages=default_pages(chunk.slot)) for chunk in self.chunks
+        )
+        return replace(self, chunks=chunks)

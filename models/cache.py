@@ -1,17 +1,18 @@
-"""Per-sequence model state in caller-owned buffers, indexed by cache slot.
+"""Per-sequence model state in caller-owned buffers.
 
-Two kinds of state per layer (ARCHITECTURE.md, "Caches and state"):
-- fixed per slot: the sliding-window ring (the last `sliding_window` K=V entries) and each
-  compressor's ring of raw projections for windows that are not closed yet (two windows for the
-  overlapping CSA pooler, one for HCA);
-- growing with length: compressed KV entries and indexer keys, one per `compress_rate` tokens.
-  They are slot-contiguous here (`max_model_len // rate` rows per slot); the block manager of the
-  engine pages them.
+Two kinds of state (ARCHITECTURE.md, "Caches and state"):
+- fixed per cache slot: the sliding-window ring (the last `sliding_window` K=V entries), each
+  compressor's ring of raw projections for groups that are not closed yet, and V4.1's Engram look-back;
+- paged, growing with length: compressed KV entries and indexer keys, one per `compress_rate` tokens.
+  A page covers the same `block_tokens` token span in every paged layer (block_tokens / rate entries
+  of that layer), so one block table per sequence serves all layers. The engine's block manager
+  hands out pages; a batch chunk carries its sequence's table (`SequenceChunk.pages`).
 The buffers are allocated once; a forward step only writes rows into them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +22,11 @@ from models.config import CSA, ModelConfig
 
 @dataclass
 class PoolerCache:
-    """State of one window pooler (a compressor or an indexer's key compressor) for every slot."""
+    """State of one window pooler (a compressor or an indexer's key compressor)."""
 
     raw_kv: torch.Tensor  # [slots, ring, width] projections of tokens of still-needed windows
     raw_gate: torch.Tensor  # [slots, ring, width]
-    entries: torch.Tensor  # [slots, max_entries, head_dim] pooled entries, entry w covers window w
+    entries: torch.Tensor  # [pages, block_tokens // rate, head_dim] paged pooled entries
 
     @property
     def ring(self) -> int:
@@ -34,13 +35,13 @@ class PoolerCache:
 
 @dataclass
 class SharedStore:
-    """V4.1 kv-source state for every slot: the compressed entries later layers share, their index keys,
-    and the raw projections of the still-open group (ratio r > 1 pools r tokens per entry)."""
+    """V4.1 kv-source state: the compressed entries later layers share, their index keys, and the raw
+    projections of each slot's still-open group (ratio r > 1 pools r tokens per entry)."""
 
     raw_kv: torch.Tensor  # [slots, r, head_dim] float32, token p at row p % r (empty ring for r = 1)
     raw_gate: torch.Tensor  # [slots, r, head_dim] float32
-    entries: torch.Tensor  # [slots, max_len // r, head_dim]; entry w = group w, stored fp4-rounded with RoPE
-    index_keys: torch.Tensor | None  # [slots, max_len // r, index_head_dim] when the source owns indexer keys
+    entries: torch.Tensor  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
+    index_keys: torch.Tensor | None  # [pages, block_tokens // r, index_head_dim] if the source owns keys
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.raw_kv, self.raw_gate, self.entries, self.index_keys) if t is not None]
@@ -54,14 +55,41 @@ class LayerCache:
     shared: SharedStore | None = None  # V4.1 kv sources only
 
 
+def paged_read(store: torch.Tensor, pages: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` entries of a sequence, [count, dim], from its block table."""
+    per_page = store.shape[1]
+    return store[pages[: -(-count // per_page)]].flatten(0, 1)[:count]
+
+
+def paged_write(store: torch.Tensor, pages: torch.Tensor, first: int, values: torch.Tensor) -> None:
+    """Writes entries first .. first + len(values) - 1 of a sequence."""
+    index = torch.arange(first, first + values.shape[0])
+    per_page = store.shape[1]
+    store[pages[index // per_page], index % per_page] = values.to(store.dtype)
+
+
+def paged_gather(store: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Entries at sequence-relative ids (any shape, all >= 0) -> [*ids.shape, dim]."""
+    per_page = store.shape[1]
+    return store[pages[ids // per_page], ids % per_page]
+
+
+def page_granularity(config: ModelConfig) -> int:
+    """block_tokens must be a multiple of this: every paged layer's rate divides a page evenly."""
+    return math.lcm(1, *(r for r in config.compress_rates if r > 0))
+
+
 @dataclass
 class ModelCache:
     layers: list[LayerCache]
     num_slots: int
-    max_len: int
+    max_len: int  # longest sequence a slot's default pages hold (when pages are per slot)
+    num_pages: int
+    block_tokens: int
     # V4.1 Engram: the last max_ngram - 1 compressed token ids per slot, oldest first, -1 = none;
     # a chunk at position 0 starts from all -1, whatever the slot held before.
     engram_context: torch.Tensor | None = None
+    slot_pages: int = 0  # > 0: slot s owns pages [s * slot_pages, (s + 1) * slot_pages) by default
 
     @classmethod
     def allocate(
@@ -71,18 +99,37 @@ class ModelCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_pages: int | None = None,
+        block_tokens: int | None = None,
     ) -> "ModelCache":
+        """Without `num_pages`, every slot gets its own pages for `max_len` tokens (tests, tools);
+        the engine passes the page count its memory plan affords and block tables per chunk."""
+        unit = page_granularity(config)
+        block_tokens = block_tokens or unit
+        if block_tokens % unit:
+            raise ValueError(f"block_tokens {block_tokens} must be a multiple of {unit} (the compress rates' lcm)")
+        slot_pages = 0
+        if num_pages is None:
+            slot_pages = -(-max_len // block_tokens)
+            num_pages = num_slots * slot_pages
+        build = cls._v41_layers if config.is_v41 else cls._v4_layers
+        layers = build(config, num_slots, num_pages, block_tokens, dtype, device)
+        context = None
+        if config.engram is not None:
+            context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
+        return cls(layers, num_slots, max_len, num_pages, block_tokens, context, slot_pages)
+
+    @staticmethod
+    def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device) -> list[LayerCache]:
         def pooler(rate: int, overlap: bool, head_dim: int) -> PoolerCache:
             width = (2 if overlap else 1) * head_dim
             ring = (2 if overlap else 1) * rate
             return PoolerCache(
                 raw_kv=torch.zeros(num_slots, ring, width, dtype=dtype, device=device),
                 raw_gate=torch.zeros(num_slots, ring, width, dtype=dtype, device=device),
-                entries=torch.zeros(num_slots, max_len // rate, head_dim, dtype=dtype, device=device),
+                entries=torch.zeros(num_pages, block_tokens // rate, head_dim, dtype=dtype, device=device),
             )
 
-        if config.is_v41:
-            return cls._allocate_v41(config, num_slots, max_len, dtype, device)
         layers = []
         for layer, kind in enumerate(config.layer_types):
             rate = config.compress_rates[layer]
@@ -90,12 +137,10 @@ class ModelCache:
             compressor = pooler(rate, kind == CSA, config.head_dim) if rate else None
             indexer = pooler(rate, True, config.index_head_dim) if kind == CSA else None
             layers.append(LayerCache(window=window, compressor=compressor, indexer=indexer))
-        return cls(layers=layers, num_slots=num_slots, max_len=max_len)
+        return layers
 
-    @classmethod
-    def _allocate_v41(
-        cls, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
-    ) -> "ModelCache":
+    @staticmethod
+    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device) -> list[LayerCache]:
         """Every layer keeps a window; only kv sources keep compressed state, which later layers read."""
         shared = config.shared_compression
         layers = []
@@ -103,33 +148,55 @@ class ModelCache:
             window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
             store = None
             if layer in shared.kv_sources:
-                rate, n_entries = config.compress_rates[layer], max_len // config.compress_rates[layer]
-                ring = rate if rate > 1 else 0
-                owns_keys = layer in shared.index_sources
+                rate = config.compress_rates[layer]
+                ring, per_page = (rate if rate > 1 else 0), block_tokens // rate
                 store = SharedStore(
                     raw_kv=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
                     raw_gate=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
-                    entries=torch.zeros(num_slots, n_entries, config.head_dim, dtype=dtype, device=device),
-                    index_keys=torch.zeros(num_slots, n_entries, config.index_head_dim, dtype=dtype, device=device)
-                    if owns_keys
+                    entries=torch.zeros(num_pages, per_page, config.head_dim, dtype=dtype, device=device),
+                    index_keys=torch.zeros(num_pages, per_page, config.index_head_dim, dtype=dtype, device=device)
+                    if layer in shared.index_sources
                     else None,
                 )
             layers.append(LayerCache(window=window, compressor=None, indexer=None, shared=store))
-        context = None
-        if config.engram is not None:
-            context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
-        return cls(layers=layers, num_slots=num_slots, max_len=max_len, engram_context=context)
+        return layers
 
-    def nbytes(self) -> int:
-        total = 0
+    def default_pages(self, slot: int) -> torch.Tensor:
+        if not self.slot_pages:
+            raise ValueError("this cache's pages are handed out by a block manager: pass the chunk's block table")
+        return torch.arange(slot * self.slot_pages, (slot + 1) * self.slot_pages)
+
+    def capacity(self, pages: torch.Tensor) -> int:
+        return pages.shape[0] * self.block_tokens
+
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
         for layer in self.layers:
-            tensors = [layer.window]
+            out.append(layer.window)
             for pooler in (layer.compressor, layer.indexer):
                 if pooler is not None:
-                    tensors += [pooler.raw_kv, pooler.raw_gate, pooler.entries]
+                    out += [pooler.raw_kv, pooler.raw_gate, pooler.entries]
             if layer.shared is not None:
-                tensors += layer.shared.tensors()
-            total += sum(t.numel() * t.element_size() for t in tensors)
+                out += layer.shared.tensors()
         if self.engram_context is not None:
-            total += self.engram_context.numel() * self.engram_context.element_size()
-        return total
+            out.append(self.engram_context)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for layer in self.layers:
+            out += [pooler.entries for pooler in (layer.compressor, layer.indexer) if pooler is not None]
+            if layer.shared is not None:
+                out += [t for t in (layer.shared.entries, layer.shared.index_keys) if t is not None]
+        return out
+
+    def page_bytes(self) -> int:
+        """Bytes one page adds across every paged layer (what the memory plan divides by)."""
+        return sum(t[0].numel() * t.element_size() for t in self.paged_tensors())
+
+    def slot_bytes(self) -> int:
+        """Bytes of the fixed per-slot state (windows, open groups, look-back), all slots."""
+        return self.nbytes() - self.num_pages * self.page_bytes()

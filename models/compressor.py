@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from kernels import stable_topk
+from kernels.batch_invariant import batch_invariant_active
 from models.batch import ForwardBatch, SequenceChunk
-from models.cache import PoolerCache
+from models.cache import PoolerCache, paged_read, paged_write
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -53,7 +54,7 @@ class WindowPooler(nn.Module):
             entries = self._pool(all_kv, all_gate, history_start, first_window, end_window)
             positions = torch.arange(first_window, end_window) * rate
             cos, sin = rope(positions)
-            cache.entries[chunk.slot, first_window:end_window] = apply_rope(entries, cos, sin)
+            paged_write(cache.entries, chunk.pages, first_window, apply_rope(entries, cos, sin))
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, offset: int, first: int, end: int) -> torch.Tensor:
         rate, dim = self.rate, self.head_dim
@@ -108,10 +109,17 @@ class Indexer(WindowPooler):
             return visible
         q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
-        keys = cache.entries[chunk.slot, :n_entries].float()
-        scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys)) * self.head_dim**-0.5
+        keys = paged_read(cache.entries, chunk.pages, n_entries).float()
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
-        total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        if batch_invariant_active():  # each query over exactly its visible entries
+            total = torch.full(visible.shape, float("-inf"))
+            for i, count in enumerate(visible.sum(dim=1).tolist()):
+                if count:
+                    per_head = torch.relu(q[i] @ keys[:count].t()) * self.head_dim**-0.5
+                    total[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
+        else:
+            scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys)) * self.head_dim**-0.5
+            total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         _, top = stable_topk(total, min(self.topk, n_entries))
         selected = torch.zeros_like(visible).scatter_(1, top, True)
         return selected & visible

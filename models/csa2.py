@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
+from kernels.batch_invariant import batch_invariant_active
 from models.batch import SequenceChunk
-from models.cache import SharedStore
+from models.cache import SharedStore, paged_write
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -59,9 +60,9 @@ class SharedCompressor(nn.Module):
             return
         positions = torch.arange(first, end, device=x.device) * self.rate
         cos, sin = rope(positions)
-        store.entries[chunk.slot, first:end] = self.quantize(apply_rope(latents, cos, sin)).to(store.entries.dtype)
+        paged_write(store.entries, chunk.pages, first, self.quantize(apply_rope(latents, cos, sin)))
         if indexer is not None:
-            store.index_keys[chunk.slot, first:end] = indexer.keys(latents, cos, sin).to(store.index_keys.dtype)
+            paged_write(store.index_keys, chunk.pages, first, indexer.keys(latents, cos, sin))
 
     def _latents(
         self, chunk: SequenceChunk, x: torch.Tensor, store: SharedStore, first: int, end: int
@@ -117,6 +118,13 @@ class SharedIndexer(nn.Module):
         n = x.shape[0]
         q = self.quantize(apply_rope(self.q_b_proj(q_residual).view(n, self.n_heads, self.head_dim), cos, sin))
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        if batch_invariant_active():  # each query over exactly its visible keys
+            scores = torch.full((n, keys.shape[0]), float("-inf"), device=x.device)
+            for i, visible in enumerate(visible_len.tolist()):
+                if visible > 0:
+                    per_head = torch.relu(q[i].float() @ keys[:visible].float().t()) * self.head_dim**-0.5
+                    scores[i, :visible] = (per_head * head_weights[i, :, None]).sum(dim=0)
+            return scores
         per_head = torch.relu(torch.einsum("nhd,td->nht", q.float(), keys.float())) * self.head_dim**-0.5
         scores = (per_head * head_weights[..., None]).sum(dim=1)
         hidden = torch.arange(keys.shape[0], device=x.device)[None, :] >= visible_len[:, None]

@@ -50,3 +50,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+def logits_into(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits, copied into the caller's buffer when one is given."""
+    if out is None:
+        return logits.float()
+    return out.copy_(logits)

@@ -16,7 +16,7 @@ from models.batch import ForwardBatch
 from models.cache import ModelCache
 from models.config import ModelConfig
 from models.hyper import HyperConnection, HyperHead, merge_streams
-from models.layers import RMSNorm
+from models.layers import RMSNorm, logits_into
 from models.moe import MoE
 
 
@@ -56,17 +56,19 @@ class DeepseekV4(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]."""
+    def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
+        (written into `out` when the caller owns the buffer)."""
+        batch = batch.with_pages(cache.default_pages)
         self._check(batch, cache)
         embedded = self.model.embed_tokens(batch.token_ids)
         streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for index, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, cache, index)
         hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))
-        return self.lm_head(hidden).float()
+        return logits_into(self.lm_head(hidden), out)
 
     def _check(self, batch: ForwardBatch, cache: ModelCache) -> None:
         for chunk in batch.chunks:
             assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
-            assert chunk.end_position <= cache.max_len, f"slot {chunk.slot} would pass max_len {cache.max_len}"
+            assert chunk.end_position <= cache.capacity(chunk.pages), f"slot {chunk.slot} would pass its pages"

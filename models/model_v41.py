@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.csa2 import ChunkSelection
 from models.engram import EngramFusion, EngramMemory
 from models.hyper import HyperConnection, collapse, merge_streams
-from models.layers import RMSNorm
+from models.layers import RMSNorm, logits_into
 from models.moe import MoE
 
 
@@ -76,12 +76,16 @@ class DeepseekV41(nn.Module):
         self.engram_memory: EngramMemory | None = None  # attached by the loader (needs the tokenizer)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None) -> torch.Tensor:
-        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab].
-        `trace`, when given, records the indexers' selections and the Engram row ids (tests, debugging)."""
+    def forward(
+        self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
+        (written into `out` when the caller owns the buffer). `trace`, when given, records the indexers'
+        selections and the Engram row ids (tests, debugging)."""
+        batch = batch.with_pages(cache.default_pages)
         for chunk in batch.chunks:
             assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
-            assert chunk.end_position <= cache.max_len, f"slot {chunk.slot} would pass max_len {cache.max_len}"
+            assert chunk.end_position <= cache.capacity(chunk.pages), f"slot {chunk.slot} would pass its pages"
         engram_row_ids = self._engram_row_ids(batch, cache, trace)
         embedded = self.model.embed_tokens(batch.token_ids)
         hc = self.config.hc_mult
@@ -97,7 +101,7 @@ class DeepseekV41(nn.Module):
             streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
         last = batch.logits_rows
         hidden = self.model.norm(collapse(pre[last], streams[last]))
-        return self.lm_head(hidden).float()
+        return logits_into(self.lm_head(hidden), out)
 
     def _engram_row_ids(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> torch.Tensor | None:
         if self.config.engram is None:
