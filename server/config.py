@@ -52,6 +52,7 @@ class SchedulerSection(Section):
 class MemorySection(Section):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     host_memory_gb: float = Field(default=8.0, gt=0)
+    num_kv_pages: int | None = Field(default=None, gt=0)  # pin the KV page count (skips the budget)
 
 
 class ParallelSection(Section):

@@ -33,7 +33,8 @@ class Collector:
 def run(model, requests: list[Request], max_num_seqs: int, budget: int) -> tuple[Collector, EngineCore]:
     limits = SchedulerLimits(max_num_seqs, budget, 256, model.config.vocab_size, model.config.eos_token_ids)
     collector = Collector(len(requests))
-    engine = EngineCore(Scheduler(limits), ModelRunner(model, max_num_seqs, 256), collector)
+    runner = ModelRunner(model, max_num_seqs, 256, num_pages=limits.total_pages, block_tokens=limits.block_tokens)
+    engine = EngineCore(Scheduler(limits), runner, collector)
     engine.start()
     for request in requests:
         engine.submit(request)

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from models import ModelConfig, load_model
+from models.cache import page_granularity
 from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
+from scheduler.admission import MemoryPlan, plan_pages
+from worker.memory_plan import budget_bytes, model_bytes, profile_pages, profile_workspace
 from worker.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -29,6 +32,7 @@ class EngineSpec:
     max_model_len: int
     device: str
     dtype: str
+    memory: MemoryPlan
 
 
 def resolve_device(config: "ServeConfig") -> str:
@@ -46,21 +50,66 @@ def max_model_len(config: "ServeConfig", model_config: ModelConfig) -> int:
     return config.model.max_model_len or model_config.max_position_embeddings
 
 
+class EngineConfigError(ValueError):
+    """A config the engine cannot run with; names the key."""
+
+
 def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput], None]) -> tuple[EngineCore, EngineSpec]:
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     model_dir = config.model_dir
     model_config = ModelConfig.from_file(model_dir / "config.json")
     max_len = max_model_len(config, model_config)
+    block_tokens = config.scheduler.block_tokens
+    unit = page_granularity(model_config)
+    if block_tokens % unit:
+        raise EngineConfigError(
+            f"scheduler.block_tokens {block_tokens} must be a multiple of {unit} for this model (its compress rates)"
+        )
     model = load_model(model_dir, dtype=dtype, device=device)
-    runner = ModelRunner(model, config.scheduler.max_num_seqs, max_len, device=device)
+    sched = config.scheduler
+    plan = _memory_plan(config, model, device, max_len)
+    log.info(plan.describe())
+    runner = ModelRunner(
+        model, sched.max_num_seqs, max_len, device=device, num_pages=plan.num_pages, block_tokens=block_tokens,
+        max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
+    )
     limits = SchedulerLimits(
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=max_len,
         vocab_size=model_config.vocab_size,
         eos_token_ids=model_config.eos_token_ids,
+        num_pages=plan.num_pages,
+        block_tokens=block_tokens,
     )
     engine = EngineCore(Scheduler(limits), runner, on_output)
     log.info("engine for %s on %s (%s)", model_dir, device, dtype)
-    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=str(dtype).removeprefix("torch."))
+    spec = EngineSpec(max_model_len=max_len, device=device, dtype=str(dtype).removeprefix("torch."), memory=plan)
+    return engine, spec
+
+
+def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:
+    """Profiles one largest step on a probe cache just big enough for it, then sizes the real one."""
+    sched = config.scheduler
+    probe = ModelRunner(
+        model, sched.max_num_seqs, max_len, device=device, block_tokens=sched.block_tokens,
+        num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
+        max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
+    )
+    workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
+    workspace += probe.logits.numel() * probe.logits.element_size()  # the runner's logits buffer
+    page_bytes, slot_state = probe.cache.page_bytes(), probe.cache.slot_bytes()
+    del probe
+    return plan_pages(
+        device=device,
+        budget=budget_bytes(device, config.memory.gpu_memory_utilization, config.memory.host_memory_gb),
+        weights=model_bytes(model),
+        workspace=workspace,
+        slot_state=slot_state,
+        page_bytes=page_bytes,
+        block_tokens=sched.block_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_model_len=max_len,
+        pinned_pages=config.memory.num_kv_pages,
+    )

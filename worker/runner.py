@@ -1,10 +1,18 @@
-"""Model runner: turns a StepPlan into a forward over the flat batch, then samples."""
+"""Model runner: turns a StepPlan into a forward over the flat batch, then samples.
+
+The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
+the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
+"""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
+from kernels.batch_invariant import BatchInvariantMode
 from models import DeepseekV4, ForwardBatch, ModelCache
+from models.model_v41 import DeepseekV41
 from scheduler.plan import ChunkResult, StepPlan, StepResult
 from worker.sampler import sample, token_logprobs
 
@@ -12,18 +20,39 @@ from worker.sampler import sample, token_logprobs
 class ModelRunner:
     """Owns the model and its per-slot cache; `execute` is the whole step of one worker."""
 
-    def __init__(self, model: DeepseekV4, num_slots: int, max_model_len: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model: DeepseekV4 | DeepseekV41,
+        num_slots: int,
+        max_model_len: int,
+        device: str = "cpu",
+        num_pages: int | None = None,
+        block_tokens: int | None = None,
+        max_logit_rows: int = 0,
+        deterministic: bool = False,
+    ) -> None:
+        """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
+        passes its memory plan's page count and each chunk's block table. `deterministic` runs every
+        step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it."""
         self.model = model
+        self.deterministic = deterministic
         dtype = model.lm_head.weight.dtype
-        self.cache = ModelCache.allocate(model.config, num_slots, max_model_len, dtype=dtype, device=device)
+        self.cache = ModelCache.allocate(
+            model.config, num_slots, max_model_len, dtype=dtype, device=device, num_pages=num_pages, block_tokens=block_tokens
+        )
         self.device = device
+        rows = max(max_logit_rows, num_slots)
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         logit_rows = [self._rows_wanted(chunk) for chunk in plan.chunks]
         batch = ForwardBatch.build(
-            [(c.slot, list(c.token_ids), c.position) for c in plan.chunks], logits=logit_rows
+            [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in plan.chunks], logits=logit_rows
         )
-        logits = self.model(batch, self.cache)
+        n_rows = sum(len(rows) for rows in logit_rows)
+        out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
+        with BatchInvariantMode() if self.deterministic else nullcontext():
+            logits = self.model(batch, self.cache, out=out)
         results, offset = [], 0
         for chunk, rows in zip(plan.chunks, logit_rows):
             chunk_logits = logits[offset : offset + len(rows)]
@@ -45,5 +74,5 @@ class ModelRunner:
             token_logprobs(torch.log_softmax(logits[i], -1), target, top_n)
             for i, target in enumerate(chunk.logprob_targets)
         )
-        sampled = sample(logits[-1], chunk.params, chunk.num_generated) if chunk.sample else None
+        sampled = sample(logits[-1], chunk.params, chunk.num_generated, chunk.prompt_token_ids, chunk.output_token_ids) if chunk.sample else None
         return ChunkResult(request_id=chunk.request_id, sampled=sampled, prompt_logprobs=prompt)
