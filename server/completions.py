@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import orjson
 
-from scheduler.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from scheduler.request import InvalidSamplingParams, Request, RequestOutput, SamplingParams, TokenLogprob
 from server.engine_client import EngineClient
 from server.protocol import (
     CompletionChoice,
@@ -39,6 +40,7 @@ class Generation:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    text: str | None = None  # the output text cut before a stop string; None: decode token_ids
 
 
 def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer) -> list[list[int]]:
@@ -58,9 +60,25 @@ def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer) -> lis
     return lists
 
 
-def sampling_params(body: CompletionRequest, prompt_len: int, max_model_len: int, index: int) -> SamplingParams:
+def stop_strings(body: CompletionRequest) -> tuple[str, ...]:
+    """The request's stop strings; empty ones are dropped (they would match before any text)."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    return tuple(s for s in stop if s)
+
+
+def _logit_bias(body: CompletionRequest) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple({int(key): bias for key, bias in (body.logit_bias or {}).items()}.items())
+    except ValueError:
+        raise ClientError("logit_bias: keys must be token ids", "logit_bias") from None
+
+
+def sampling_params(
+    body: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int, index: int
+) -> SamplingParams:
+    """Raises ClientError for parameters the engine would not run (ids outside the vocabulary...)."""
     max_tokens = body.max_tokens if body.max_tokens is not None else max(1, max_model_len - prompt_len)
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -71,13 +89,31 @@ def sampling_params(body: CompletionRequest, prompt_len: int, max_model_len: int
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(body),
+        min_tokens=body.min_tokens,
     )
+    try:
+        params.validate(vocab_size)
+    except InvalidSamplingParams as exc:
+        raise ClientError(str(exc), exc.param) from None
+    return params
 
 
-async def collect(engine: EngineClient, request: Request) -> Generation:
+async def collect(engine: EngineClient, request: Request, text: IncrementalText | None = None) -> Generation:
+    """The request's outputs; given `text` (stop strings), ends at the first stop string and aborts the
+    engine request there, so it stops using the engine."""
     generation = Generation()
-    async for output in engine.generate(request):
-        _absorb(generation, output)
+    async with aclosing(engine.generate(request)) as outputs:
+        async for output in outputs:
+            _absorb(generation, output)
+            if text is not None:
+                text.push(output.new_token_ids, output.finished)
+                if text.stopped:
+                    generation.text, generation.finish_reason = text.sent, "stop"
+                    break  # closing generate() before its last output aborts the request
     return generation
 
 
@@ -113,7 +149,7 @@ def build_requests(body: CompletionRequest, tokenizer: TextTokenizer, max_model_
     prompts = prompt_token_lists(body, tokenizer)
     base_id = uuid.uuid4().hex
     requests = [
-        Request(f"cmpl-{base_id}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, i))
+        Request(f"cmpl-{base_id}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i))
         for p, ids in enumerate(prompts)
         for i in range(body.n)
     ]
@@ -125,7 +161,10 @@ async def create_completion(
     tokenizer: TextTokenizer, model_name: str,
 ) -> CompletionResponse:
     prompts = [r.prompt_token_ids for r in requests[:: body.n]]
-    generations = await asyncio.gather(*(collect(engine, r) for r in requests))
+    stop = stop_strings(body)
+    generations = await asyncio.gather(
+        *(collect(engine, r, IncrementalText(tokenizer, stop) if stop else None) for r in requests)
+    )
     failed = next((g.error for g in generations if g.error), None)
     if failed:
         raise RuntimeError(failed)
@@ -147,7 +186,7 @@ def _choice(
     body: CompletionRequest, tokenizer: TextTokenizer, index: int, request: Request, generation: Generation
 ) -> CompletionChoice:
     prompt_ids = request.prompt_token_ids
-    text = tokenizer.decode(generation.token_ids)
+    text = generation.text if generation.text is not None else tokenizer.decode(generation.token_ids)
     if body.echo:
         text = tokenizer.decode(prompt_ids) + text
     logprobs = None
@@ -168,18 +207,34 @@ def _choice(
     )
 
 
-class IncrementalText:
-    """Text deltas of a growing token list that never end inside a UTF-8 character: a decode that ends
-    in U+FFFD is held back until the next token completes it (or the stream ends)."""
+def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.tokenizer, self.token_ids, self.sent = tokenizer, [], ""
+
+def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could begin a stop string."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class IncrementalText:
+    """Text deltas of a growing token list. A delta never ends inside a UTF-8 character (a decode that
+    ends in U+FFFD is held back until the next token completes it) nor in text that could be the start
+    of a stop string (held back until it is not, or the stream ends). At the first stop string the
+    text ends just before it and `stopped` is set: nothing past a stop string is ever sent."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer, self.stop, self.token_ids, self.sent, self.stopped = tokenizer, stop, [], "", False
 
     def push(self, token_ids: tuple[int, ...], final: bool) -> str:
         self.token_ids.extend(token_ids)
         text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd") and not final:
-            return ""
+        cut = _first_stop(text, self.stop)
+        if cut is not None:
+            text, self.stopped = text[:cut], True
+        elif not final:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[: len(text) - _stop_prefix_len(text, self.stop)]
         delta, self.sent = text[len(self.sent):], text
         return delta
 
@@ -193,7 +248,8 @@ async def stream_completion(
     tokenizer: TextTokenizer, model_name: str,
 ) -> AsyncIterator[bytes]:
     """SSE frames for every choice as its tokens arrive, a usage frame if asked, then [DONE].
-    An engine failure mid-stream becomes an error frame before [DONE]."""
+    A choice that reaches a stop string ends there (finish_reason "stop") and its engine request is
+    aborted. An engine failure mid-stream becomes an error frame before [DONE]."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
@@ -204,23 +260,31 @@ async def stream_completion(
             await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    texts = [IncrementalText(tokenizer) for _ in requests]
-    completion_tokens, open_choices = 0, len(requests)
+    stop = stop_strings(body)
+    texts = [IncrementalText(tokenizer, stop) for _ in requests]
+    completion_tokens, open_choices = 0, set(range(len(requests)))
     try:
         while open_choices:
             index, item = await queue.get()
+            if index not in open_choices:  # what a choice cut at a stop string still had in flight
+                continue
             if isinstance(item, BaseException):
                 yield _sse({"error": {"message": str(item), "type": "internal_server_error", "code": 500}})
                 break
             completion_tokens += len(item.new_token_ids)
-            open_choices -= item.finished
             if item.error:
                 yield _sse({"error": {"message": item.error, "type": "internal_server_error", "code": 500}})
                 break
+            text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
+            if stopped:
+                tasks[index].cancel()  # leaving generate() before its last output aborts the request
+            if stopped or item.finished:
+                open_choices.discard(index)
+            finish_reason = "stop" if stopped else item.finish_reason if item.finished else None
             choice = CompletionChoice(
                 index=index,
-                text=texts[index].push(item.new_token_ids, item.finished),
-                finish_reason=item.finish_reason if item.finished else None,
+                text=text,
+                finish_reason=finish_reason,
                 token_ids=list(item.new_token_ids) if body.return_token_ids else None,
             )
             chunk = CompletionChunk(id=response_id, model=model_name, choices=[choice])

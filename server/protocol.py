@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,13 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # keys are token ids as strings (JSON object keys), as OpenAI sends them
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
     user: str | None = None
 

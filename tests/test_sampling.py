@@ -1,0 +1,148 @@
+"""The sampler's features, each checked by a draw that would differ if the feature were ignored, and
+the scheduler's part in them (token histories for penalties, min_tokens against eos / stop ids)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scheduler.plan import ChunkResult, StepPlan, StepResult
+from scheduler.request import InvalidSamplingParams, Request, RequestOutput, SamplingParams, TokenLogprob
+from scheduler.scheduler import Scheduler, SchedulerLimits
+from worker.sampler import sample
+
+def row(*values: float, vocab: int = 8) -> torch.Tensor:
+    """A logits row whose first entries are `values`, the rest far below."""
+    logits = torch.full((vocab,), -10.0)
+    logits[: len(values)] = torch.tensor(values)
+    return logits
+
+
+def greedy(logits: torch.Tensor, prompt: tuple[int, ...] = (), output: tuple[int, ...] = (), **params) -> int:
+    chosen = sample(logits, SamplingParams(temperature=0.0, **params), len(output), prompt, output)
+    return chosen.token_id
+
+
+def test_greedy_takes_the_lowest_id_among_ties():
+    assert greedy(row(1.0, 3.0, 3.0, 3.0)) == 1
+
+
+def test_logit_bias_moves_the_draw_but_not_the_reported_logprobs():
+    logits = row(2.0, 1.0, 0.0)
+    raw = torch.log_softmax(logits, -1)
+    chosen = sample(logits, SamplingParams(temperature=0.0, logit_bias=((2, 5.0),), logprobs=2), 0)
+    assert chosen.token_id == 2
+    assert chosen.logprob == pytest.approx(raw[2].item())
+    assert [t for t, _ in chosen.top] == [0, 1]  # the model's own best, not the biased ones
+    assert greedy(logits, logit_bias=((0, -1.5),)) == 1
+    for seed in range(20):  # sampling too: -100 rules the favourite out, +100 forces a token
+        assert sample(logits, SamplingParams(seed=seed, logit_bias=((0, -100.0), (1, -100.0))), 0).token_id == 2
+        assert sample(logits, SamplingParams(seed=seed, logit_bias=((5, 100.0),)), 0).token_id == 5
+
+
+def test_min_tokens_bans_stop_ids_until_reached():
+    logits = row(5.0, 1.0, 0.0)
+    params = SamplingParams(temperature=0.0, stop_token_ids=(0,), min_tokens=2)
+    assert [sample(logits, params, i).token_id for i in range(3)] == [1, 1, 0]
+    for seed in range(20):
+        assert sample(logits, SamplingParams(seed=seed, stop_token_ids=(0, 1), min_tokens=1), 0).token_id == 2
+
+
+def test_eos_joins_the_banned_ids_only_while_min_tokens_is_pending():
+    params = SamplingParams(stop_token_ids=(7,), min_tokens=2)
+    assert params.for_draw(1, (1,)).stop_token_ids == (7, 1)
+    assert params.for_draw(2, (1,)) is params
+    assert SamplingParams(min_tokens=2, ignore_eos=True).for_draw(0, (1,)).stop_token_ids == ()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    # a seen positive logit 3 -> 1.5 falls below 2; multiplying it would keep it first
+    assert greedy(row(3.0, 2.0), prompt=(0,), repetition_penalty=2.0) == 1
+    # a seen negative logit -1 -> -2 falls below -1.5; dividing it would raise it
+    assert greedy(row(-1.0, -1.5), output=(0,), repetition_penalty=2.0) == 1
+    assert greedy(row(3.0, 2.0), prompt=(1,), repetition_penalty=2.0) == 0  # only seen tokens
+    assert greedy(row(2.0, 3.0), prompt=(0, 1), output=(1,), repetition_penalty=0.5) == 1
+
+
+def test_frequency_counts_each_occurrence_presence_counts_once():
+    logits = row(3.0, 2.5)
+    assert greedy(logits, output=(0,), frequency_penalty=0.4) == 0  # 2.6 > 2.5
+    assert greedy(logits, output=(0, 0), frequency_penalty=0.4) == 1  # 2.2 < 2.5
+    assert greedy(logits, output=(0, 0, 0), presence_penalty=0.4) == 0  # 2.6 whatever the count
+    assert greedy(logits, output=(0,), presence_penalty=0.6) == 1
+    assert greedy(logits, output=(1,), presence_penalty=-1.0) == 1  # negative: encourages repeats
+
+
+def test_frequency_and_presence_ignore_the_prompt():
+    assert greedy(row(3.0, 2.5), prompt=(0, 0, 0), frequency_penalty=2.0, presence_penalty=2.0) == 0
+
+
+def test_penalties_leave_logprobs_raw_and_seeded_draws_reproducible():
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(seed=7, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=3)
+    output = (5, 5, 9)
+    first, second = (sample(logits, params, 3, (1, 2), output) for _ in range(2))
+    assert first == second
+    assert first.logprob == pytest.approx(torch.log_softmax(logits, -1)[first.token_id].item())
+
+
+def test_penalties_change_the_sampled_distribution():
+    logits = row(2.0, 2.0, vocab=2)
+    plain = [sample(logits, SamplingParams(seed=s), 1, (), (0,)).token_id for s in range(200)]
+    penalized = SamplingParams(frequency_penalty=2.0)
+    drawn = [sample(logits, replace(penalized, seed=s), 1, (), (0,)).token_id for s in range(200)]
+    assert 60 < plain.count(0) < 140
+    assert drawn.count(0) < 40  # p(0) = 1 / (1 + e^2) ~ 0.12
+
+
+def test_validate_rejects_ids_outside_the_vocabulary_and_min_tokens_above_max_tokens():
+    SamplingParams(logit_bias=((7, 1.0),), stop_token_ids=(3,), min_tokens=4, max_tokens=4).validate(8)
+    for params, param in (
+        (SamplingParams(logit_bias=((8, 1.0),)), "logit_bias"),
+        (SamplingParams(logit_bias=((-1, 1.0),)), "logit_bias"),
+        (SamplingParams(stop_token_ids=(9,)), "stop_token_ids"),
+        (SamplingParams(min_tokens=5, max_tokens=4), "min_tokens"),
+    ):
+        with pytest.raises(InvalidSamplingParams) as error:
+            params.validate(8)
+        assert error.value.param == param
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, vocab_size=32, eos_token_ids=(1,)))
+
+
+def step(sched: Scheduler, token: int) -> tuple[StepPlan, list[RequestOutput]]:
+    """One step in which every sampling chunk draws `token`."""
+    plan = sched.schedule()
+    results = tuple(
+        ChunkResult(c.request_id, TokenLogprob(token, 0.0) if c.sample else None) for c in plan.chunks
+    )
+    return plan, sched.update(plan, StepResult(chunks=results))
+
+
+def test_scheduler_sends_histories_only_to_penalized_requests():
+    sched = scheduler()
+    sched.add(Request("plain", [3, 4, 5], SamplingParams()))
+    sched.add(Request("presence", [3, 4, 5], SamplingParams(presence_penalty=1.0)))
+    sched.add(Request("repeat", [3, 4, 5], SamplingParams(repetition_penalty=1.2)))
+    step(sched, 9)
+    chunks = {c.request_id: c for c in step(sched, 9)[0].chunks}
+    assert (chunks["plain"].prompt_token_ids, chunks["plain"].output_token_ids) == ((), ())
+    assert (chunks["presence"].prompt_token_ids, chunks["presence"].output_token_ids) == ((), (9,))
+    assert (chunks["repeat"].prompt_token_ids, chunks["repeat"].output_token_ids) == ((3, 4, 5), (9,))
+
+
+def test_eos_and_stop_ids_do_not_end_a_request_before_min_tokens():
+    sched = scheduler()
+    sched.add(Request("r", [3, 4, 5], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(6,))))
+    plan, outputs = step(sched, 1)
+    assert plan.chunks[0].params.stop_token_ids == (6, 1)  # eos banned for this draw
+    assert not outputs[0].finished
+    plan, outputs = step(sched, 6)
+    assert plan.chunks[0].params.stop_token_ids == (6, 1) and not outputs[0].finished
+    plan, outputs = step(sched, 6)
+    assert plan.chunks[0].params.stop_token_ids == (6,)  # min_tokens reached: as the client sent them
+    assert outputs[0].finished and outputs[0].finish_reason == "stop"
