@@ -1,13 +1,14 @@
 """Engine core policy: request state machine and continuous batching (pure Python, no torch)."""
 
-from scheduler.engine_core import EngineCore, ModelExecutor
+from scheduler.engine_core import EngineCore, EngineStats, ModelExecutor
 from scheduler.plan import ChunkResult, ScheduledChunk, StepPlan, StepResult
 from scheduler.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
-from scheduler.scheduler import RequestRejected, Scheduler, SchedulerLimits
+from scheduler.scheduler import RequestRejected, Scheduler, SchedulerLimits, validate_request
 
 __all__ = [
     "ChunkResult",
     "EngineCore",
+    "EngineStats",
     "ModelExecutor",
     "Request",
     "RequestOutput",
@@ -20,4 +21,5 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TokenLogprob",
+    "validate_request",
 ]

@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> execute -> update, on its own thread.
+"""The engine loop: schedule -> execute -> update, on its own thread (of the engine process, when served).
 
 Requests and aborts arrive through a thread-safe inbox; outputs leave through a callback. A failing
 step ends the requests it carried with an error reason and the loop goes on (the server stays up).
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from scheduler.plan import StepPlan, StepResult
@@ -21,6 +22,20 @@ log = logging.getLogger("ds4serve.engine")
 
 class ModelExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load and cache figures for metrics; read off the loop's thread, so a snapshot, not a barrier."""
+
+    running: int
+    waiting: int
+    preemptions: int = 0  # since start
+    pages_total: int = 0
+    pages_held: int = 0
+    pages_cached: int = 0  # reusable by the prefix cache, evictable
+    steps: int = 0
+    last_step_tokens: int = 0
 
 
 class EngineCore:
@@ -40,6 +55,17 @@ class EngineCore:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
+            pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
+        )
 
     def submit(self, request: Request) -> None:
         """Validate first (raises RequestRejected for the caller), then queue for the loop."""

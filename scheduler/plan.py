@@ -11,6 +11,7 @@ from scheduler.request import SamplingParams, TokenLogprob
 class ScheduledChunk:
     request_id: str
     slot: int
+    pages: tuple[int, ...]  # the sequence's block table (covers position + len(token_ids))
     token_ids: tuple[int, ...]
     position: int  # tokens of this sequence already in the cache
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
@@ -18,6 +19,10 @@ class ScheduledChunk:
     logprob_targets: tuple[int, ...]
     params: SamplingParams
     num_generated: int  # output tokens so far (seeds the per-request sampler deterministically)
+    # filled only when the request's params need the token history (penalties), so plain requests do
+    # not copy histories every step
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

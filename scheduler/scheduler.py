@@ -2,7 +2,10 @@
 
 Pure Python over ids and integers (no torch). Every step takes one decode token from each running
 request whose prompt is done, then prompt chunks of partly prefilled requests, then admits waiting
-requests while cache slots and the step's token budget last; long prompts are prefilled in chunks.
+requests while cache slots, pages and the step's token budget last; long prompts are prefilled in
+chunks. When a running request needs a page and none is left, the newest running request not yet
+scheduled in this step is preempted: its pages and slot are released and it goes back to the front
+of the queue, to be recomputed from its tokens later (its outputs so far are kept).
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.plan import ScheduledChunk, StepPlan, StepResult
-from scheduler.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from scheduler.request import InvalidSamplingParams, Request, RequestOutput, RequestStatus, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -21,32 +25,66 @@ class SchedulerLimits:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    num_pages: int | None = None  # KV pages the memory plan affords (None: enough for every slot)
+    block_tokens: int = 128
+
+    @property
+    def total_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return -(-self.max_model_len // self.block_tokens) * self.max_num_seqs
 
 
 class RequestRejected(ValueError):
     """A request the engine will not run; the message is meant for the client (HTTP 400)."""
 
 
+def validate_request(limits: SchedulerLimits, request: Request) -> None:
+    """Raises RequestRejected for a request the engine would refuse; pure, so the front end runs it too."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise RequestRejected("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    if len(prompt) + request.params.max_tokens > limits.max_model_len:
+        raise RequestRejected(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
+            f"{len(prompt)} prompt tokens and asks for {request.params.max_tokens} more"
+        )
+    try:
+        request.params.validate(limits.vocab_size)
+    except InvalidSamplingParams as exc:
+        raise RequestRejected(str(exc)) from exc
+    capacity = limits.total_pages * limits.block_tokens
+    if len(prompt) + request.params.max_tokens > capacity:
+        raise RequestRejected(
+            f"the request needs {len(prompt) + request.params.max_tokens} tokens of KV cache; this server's "
+            f"cache holds {capacity}"
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int
+    waiting: int
+    preemptions: int  # since start
+    last_step_tokens: int
+    blocks: BlockStats
+
+
 class Scheduler:
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
+        self.blocks = BlockManager(limits.total_pages, limits.block_tokens, limits.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots: list[int] = list(range(limits.max_num_seqs - 1, -1, -1))
         self.pending_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self.num_preemptions = 0
+        self.last_step_tokens = 0
 
     def validate(self, request: Request) -> None:
-        limits, prompt = self.limits, request.prompt_token_ids
-        if not prompt:
-            raise RequestRejected("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
-        if len(prompt) + request.params.max_tokens > limits.max_model_len:
-            raise RequestRejected(
-                f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
-                f"{len(prompt)} prompt tokens and asks for {request.params.max_tokens} more"
-            )
+        validate_request(self.limits, request)
 
     def add(self, request: Request) -> None:
         self.validate(request)
@@ -65,20 +103,56 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
         for request in [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]:
             if budget <= 0:
                 break
-            chunk = self._chunk(request, budget)
-            chunks.append(chunk)
-            budget -= len(chunk.token_ids)
-        while self.waiting and self.free_slots and budget > 0:
-            request = self.waiting.popleft()
-            request.slot, request.status = self.free_slots.pop(), RequestStatus.RUNNING
+            if request not in self.running:  # preempted earlier in this step
+                continue
+            length = self._chunk_length(request, budget)
+            if not self._reserve(request, length, scheduled):
+                continue  # the request itself was preempted
+            chunks.append(self._chunk(request, budget))
+            scheduled.add(request.request_id)
+            budget -= length
+        while self.waiting and self.blocks.has_slot() and budget > 0:
+            request = self.waiting[0]
+            length = self._chunk_length(request, budget)
+            if self.blocks.pages_for(length) > self.blocks.available_pages:
+                break  # admission never preempts
+            self.waiting.popleft()
+            request.slot, request.status = self.blocks.open(request.request_id), RequestStatus.RUNNING
             self.running.append(request)
-            chunk = self._chunk(request, budget)
-            chunks.append(chunk)
-            budget -= len(chunk.token_ids)
+            self.blocks.grow(request.request_id, length)
+            chunks.append(self._chunk(request, budget))
+            scheduled.add(request.request_id)
+            budget -= length
+        self.last_step_tokens = self.limits.max_num_batched_tokens - budget
         return StepPlan(chunks=tuple(chunks))
+
+    @staticmethod
+    def _chunk_length(request: Request, budget: int) -> int:
+        return min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+
+    def _reserve(self, request: Request, length: int, scheduled: set[str]) -> bool:
+        """Pages for the request's next `length` tokens, preempting newer unscheduled requests (or,
+        if none is left, the request itself) until they fit. False if the request was preempted."""
+        needed = request.num_computed_tokens + length
+        while not self.blocks.grow(request.request_id, needed):
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            victim = victims[-1] if victims else request
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.close(request.request_id)
+        self.running.remove(request)
+        self.pending_prompt_logprobs.pop(request.request_id, None)
+        request.status, request.slot, request.num_computed_tokens = RequestStatus.WAITING, None, 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         tokens = request.all_token_ids
@@ -87,15 +161,19 @@ class Scheduler:
         prompt_len = len(request.prompt_token_ids)
         wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < prompt_len
         targets = tuple(tokens[start + 1 : min(end + 1, prompt_len)]) if wants_prompt_logprobs else ()
+        history = end == len(tokens) and request.params.penalizes_output  # only a sampling chunk needs it
         return ScheduledChunk(
             request_id=request.request_id,
             slot=request.slot,
+            pages=tuple(self.blocks.table(request.request_id)),
             token_ids=tuple(tokens[start:end]),
             position=start,
             sample=end == len(tokens),
             logprob_targets=targets,
-            params=request.params,
+            params=request.params.for_draw(len(request.output_token_ids), self.limits.eos_token_ids),
             num_generated=len(request.output_token_ids),
+            prompt_token_ids=tuple(request.prompt_token_ids) if history and request.params.penalizes_prompt else (),
+            output_token_ids=tuple(request.output_token_ids) if history else (),
         )
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -133,9 +211,10 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
-        if not params.ignore_eos and token in self.limits.eos_token_ids:
+        may_stop = len(request.output_token_ids) > params.min_tokens  # min_tokens: the sampler bans these too
+        if may_stop and not params.ignore_eos and token in self.limits.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"
@@ -162,13 +241,17 @@ class Scheduler:
         request.status, request.finish_reason = status, reason
         if request in self.running:
             self.running.remove(request)
-            self.free_slots.append(request.slot)
+            self.blocks.close(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.slot = None
 
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.last_step_tokens, self.blocks.stats())
+
     def check_integrity(self) -> None:
-        """Slots: every slot is either free or held by exactly one running request."""
-        held = [r.slot for r in self.running]
-        assert len(set(held)) == len(held), "a slot is held twice"
-        assert sorted(held + self.free_slots) == list(range(self.limits.max_num_seqs)), "slots leaked"
+        """Pages and slots add up, and exactly the running requests hold them."""
+        self.blocks.check_integrity()
+        holders = {r.request_id for r in self.running}
+        assert set(self.blocks.slots) == holders, "slots held by requests that are not running"
+        assert all(self.blocks.slots[r.request_id] == r.slot for r in self.running), "a request lost its slot"

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.scheduler import RequestRejected
 from server.completions import ClientError, build_requests, create_completion, stream_completion
-from server.engine_client import EngineClient
+from server.engine_client import EngineClient, EngineDeadError
 from server.protocol import CompletionRequest, ModelCard, ModelList, error_body
 from server.tokenizer import TextTokenizer
 
@@ -64,6 +64,8 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedMode
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if engine.dead_reason is not None:
+            return _error(503, engine.dead_reason, "service_unavailable")
         if not engine.ready:
             return _error(503, "engine is starting", "service_unavailable")
         return JSONResponse({"status": "ok"})
@@ -90,6 +92,8 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedMode
             response = await create_completion(body, response_id, requests, engine, tokenizer, model.name)
         except (ClientError, RequestRejected) as exc:
             return _error(400, str(exc), param=getattr(exc, "param", None))
+        except EngineDeadError as exc:  # not the client's fault, and not transient inside this request
+            return _error(503, f"the engine is not running: {exc}", "service_unavailable")
         except RuntimeError as exc:
             log.error("completion failed: %s", exc)
             return _error(500, str(exc), "internal_server_error")

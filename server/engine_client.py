@@ -1,37 +1,54 @@
 """The front end's handle on the engine: submit / abort, and an async stream of outputs per request.
 
-The engine runs its loop elsewhere (a thread of this process for now) and reports through
-`on_output`, which may be called from any thread; outputs are handed to the asyncio loop safely.
+The engine runs in its own process (server/engine_process.py relays to it). Its outputs, stats and
+death are reported from a receiver thread and handed to the asyncio loop with call_soon_threadsafe,
+so nothing here blocks the loop. When the engine dies, every in-flight request ends with an error
+output and new ones are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Callable
+from typing import Protocol
 
+from scheduler.engine_core import EngineStats
 from scheduler.request import Request, RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone, so no request can run (the server stays up; /health says 503)."""
+
+
+class EngineHandle(Protocol):
+    def submit(self, request: Request) -> None:
+        """Raises RequestRejected before anything is queued."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def validate(self, request: Request) -> None:
+        """Raises RequestRejected for a request the engine would refuse."""
 
 
 class EngineClient:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._submit: Callable[[Request], None] | None = None
-        self._validate: Callable[[Request], None] | None = None
-        self._abort: Callable[[str], None] | None = None
-        self.ready = False
+        self._engine: EngineHandle | None = None
+        self.dead_reason: str | None = None
+        self.stats: EngineStats | None = None  # the engine's latest report
 
-    def connect(
-        self, submit: Callable[[Request], None], abort: Callable[[str], None], validate: Callable[[Request], None]
-    ) -> None:
-        self._submit, self._abort, self._validate = submit, abort, validate
-        self.ready = True
+    def connect(self, engine: EngineHandle) -> None:
+        self._engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and self.dead_reason is None
 
     def validate(self, request: Request) -> None:
         """Raises RequestRejected for a request the engine would refuse."""
-        assert self._validate is not None, "engine not connected"
-        self._validate(request)
+        assert self._engine is not None, "engine not connected"
+        self._engine.validate(request)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -41,19 +58,35 @@ class EngineClient:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, output)
 
+    def on_stats(self, stats: EngineStats) -> None:
+        """Engine side; thread-safe (one attribute swap)."""
+        self.stats = stats
+
+    def on_engine_dead(self, reason: str) -> None:
+        """Engine side; thread-safe. Set first, so a request submitted after this sees it."""
+        self.dead_reason = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+
     def _deliver(self, output: RequestOutput) -> None:
         queue = self._queues.get(output.request_id)
         if queue is not None:
             queue.put_nowait(output)
 
+    def _fail_all(self, reason: str) -> None:
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason="error", error=reason))
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until the finished one; aborts the request if the caller leaves."""
-        assert self._submit is not None and self._abort is not None, "engine not connected"
+        assert self._engine is not None, "engine not connected"
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
         finished = False
         try:
-            self._submit(request)  # raises RequestRejected before anything is queued
+            self._engine.submit(request)  # raises RequestRejected before anything is queued
             while not finished:
                 output = await queue.get()
                 finished = output.finished
@@ -61,4 +94,4 @@ class EngineClient:
         finally:
             self._queues.pop(request.request_id, None)
             if not finished:
-                self._abort(request.request_id)
+                self._engine.abort(request.request_id)

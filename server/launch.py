@@ -1,7 +1,7 @@
-"""Wires a validated config into a running engine and the HTTP app.
+"""Wires a validated config into a running engine process and the HTTP app.
 
-This is the one place that builds the engine (model, runner, scheduler); the HTTP code itself only
-sees the EngineClient.
+This process tokenizes and serves HTTP; the engine (model, runner, scheduler) is built inside its own
+process (server/engine_process.py), and the HTTP code only sees the EngineClient.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def ensure_default_model(model_dir: Path) -> None:
 
 
 def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
+    """Raises EngineStartError (a ValueError) when the engine process cannot start."""
     from models import ModelConfig
-    from worker.engine_factory import build_engine_core
+    from server.engine_process import EngineProcess
 
     if config.parallel.tensor_parallel_size != 1:
         raise ConfigFileError("parallel.tensor_parallel_size: only 1 is supported in this version")
@@ -38,11 +39,10 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     model_config = ModelConfig.from_file(model_dir / "config.json")
     tokenizer = TextTokenizer(model_dir, model_config.bos_token_id)
     client = EngineClient()
-    engine, spec = build_engine_core(config, client.on_output)
-    engine.start()
-    client.connect(engine.submit, engine.abort, engine.scheduler.validate)
-    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=spec.max_model_len)
+    engine = EngineProcess(config, client)
+    client.connect(engine)
+    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=engine.ready.max_model_len)
     app = create_app(client, tokenizer, served, config.api_keys(api_key))
     app.router.on_shutdown.append(engine.stop)
-    log.info("serving %s (%s, %s) as %r", model_dir, spec.device, spec.dtype, served.name)
+    log.info("serving %s (%s, %s) as %r", model_dir, engine.ready.device, engine.ready.dtype, served.name)
     return app

@@ -1,0 +1,132 @@
+"""The engine process: builds the engine, then relays frames between its loop and the front end.
+
+Started by server/engine_process.py with the "spawn" context, so it is a fresh interpreter with no
+FastAPI and none of the front end's threads. The engine loop (EngineCore) runs on its own thread and
+sends outputs as they are produced; this process's main thread receives requests and aborts, sends
+EngineStats when they change, and ends the process when the front end says so, when the front end's
+process is gone (no orphans), or when the loop thread died (after telling the front end).
+
+Sockets (ZeroMQ, addresses chosen by the front end): this side binds the requests PULL socket and
+connects the outputs PUSH socket; both ends leave the high-water marks unbounded, so neither the
+engine loop nor the front end ever waits on the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from scheduler import EngineCore, EngineStats, Request, RequestOutput, RequestRejected
+from scheduler.codec import Abort, EngineFailed, EngineReady, FromEngine, Shutdown, decode, encode
+from worker.engine_factory import build_engine_core
+from worker.pool import WorkerPool
+
+if TYPE_CHECKING:
+    from server.config import ServeConfig
+
+log = logging.getLogger("ds4serve.engine")
+STATS_INTERVAL_S = 1.0
+LINGER_MS = 1000  # how long exit waits to flush the last frames to the front end
+
+
+class Outbox:
+    """The outputs socket, shared by the loop thread (outputs) and the main thread (ready, stats)."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.connect(address)
+        self._lock = threading.Lock()  # ZeroMQ sockets are not thread-safe
+
+    def send(self, message: FromEngine) -> None:
+        frame = encode(message)
+        with self._lock:
+            if not self._socket.closed:  # a step that outlived the loop's stop timeout reports to no one
+                self._socket.send(frame)
+
+    def close(self) -> None:
+        with self._lock:
+            self._socket.close()
+
+
+def run_engine_process(config: ServeConfig, requests_address: str, outputs_address: str, log_level: int) -> None:
+    """The process entry point. Exit code 0 after a shutdown or a lost front end, 1 after a failure."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
+    context = zmq.Context()
+    outbox = Outbox(context, outputs_address)
+    requests = context.socket(zmq.PULL)
+    requests.setsockopt(zmq.RCVHWM, 0)
+    requests.bind(requests_address)
+    failure: str | None
+    try:
+        engine, spec = build_engine_core(config, outbox.send)
+    except Exception as exc:  # reported to the front end, which refuses to start with this message
+        log.exception("engine failed to start")
+        outbox.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        failure = str(exc)
+    else:
+        engine.executor = WorkerPool(engine.executor)
+        outbox.send(EngineReady(limits=engine.scheduler.limits, device=spec.device, dtype=spec.dtype))
+        engine.start()
+        failure = serve(engine, requests, outbox)
+        engine.stop()
+    requests.close(linger=0)
+    outbox.close()
+    context.term()
+    if failure is not None:
+        sys.exit(1)
+
+
+def serve(engine: EngineCore, requests: zmq.Socket, outbox: Outbox) -> str | None:
+    """Relays until told to stop; returns why the engine failed, or None for a normal end."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None, "the engine runs in a child of the front end"
+    poller = zmq.Poller()
+    poller.register(requests, zmq.POLLIN)
+    poller.register(parent.sentinel, zmq.POLLIN)
+    sent_stats: EngineStats | None = None
+    sent_at = time.monotonic()
+    while True:
+        events = dict(poller.poll(STATS_INTERVAL_S * 1000))
+        if parent.sentinel in events:
+            log.warning("the front end exited; stopping the engine")
+            return None
+        if not engine.alive:
+            failure = "the engine loop died (see the engine log)"
+            outbox.send(EngineFailed(failure))
+            return failure
+        while requests.poll(0):
+            if not handle(engine, decode(requests.recv()), outbox):
+                return None
+        if time.monotonic() - sent_at >= STATS_INTERVAL_S:
+            stats, sent_at = engine.stats(), time.monotonic()
+            if stats != sent_stats:
+                outbox.send(stats)
+                sent_stats = stats
+
+
+def handle(engine: EngineCore, message: object, outbox: Outbox) -> bool:
+    """Applies one front-end message; False for shutdown."""
+    if isinstance(message, Request):
+        try:
+            engine.submit(message)
+        except RequestRejected as exc:  # the front end validated against the same limits; a safety net
+            outbox.send(RequestOutput(
+                message.request_id, finished=True, finish_reason="error", error=str(exc),
+                num_prompt_tokens=len(message.prompt_token_ids),
+            ))
+    elif isinstance(message, Abort):
+        engine.abort(message.request_id)
+    else:
+        assert isinstance(message, Shutdown), f"unexpected message {message!r}"
+        return False
+    return True
