@@ -159,7 +159,10 @@ class Scheduler:
         start = request.num_computed_tokens
         end = min(len(tokens), start + budget)
         prompt_len = len(request.prompt_token_ids)
-        wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < prompt_len
+        # a request recomputed after preemption already delivered its prompt logprobs with its first token
+        wants_prompt_logprobs = (
+            request.params.prompt_logprobs is not None and start < prompt_len and not request.output_token_ids
+        )
         targets = tuple(tokens[start + 1 : min(end + 1, prompt_len)]) if wants_prompt_logprobs else ()
         history = end == len(tokens) and request.params.penalizes_output  # only a sampling chunk needs it
         return ScheduledChunk(
@@ -185,7 +188,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
-            if chunk.params.prompt_logprobs is not None and chunk.position < len(request.prompt_token_ids):
+            in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
+            if chunk.params.prompt_logprobs is not None and in_prompt:  # not again when recomputed after preemption
                 collected = self.pending_prompt_logprobs.setdefault(request.request_id, [None])
                 collected.extend(chunk_result.prompt_logprobs)
             if chunk_result.sampled is not None:
