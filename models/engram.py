@@ -66,8 +66,14 @@ class EngramMemory:
             ids, carried = self.hasher.row_ids(tokens[chunk.rows], None, carried)
             context[chunk.slot] = torch.tensor(carried, dtype=context.dtype)
             per_chunk.append(torch.from_numpy(ids))
-        return torch.cat(per_chunk)
+        row_ids = torch.cat(per_chunk)
+        self.source.prefetch(row_ids)  # disk tiers start reading while the layers before Engram run
+        return row_ids
 
     def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
         """[T, columns, head_dim] float32 rows of the `layer_index`-th Engram layer."""
         return self.source.rows(layer_index, row_ids[:, layer_index])
+
+    def failed_tokens(self) -> dict[int, str]:
+        """Batch rows of the last step that got no valid Engram rows (their requests must fail)."""
+        return self.source.failed_tokens()

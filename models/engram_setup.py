@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer
 
 from engram_store import InMemoryEngramTable
+from engram_store.build import build_store
+from engram_store.store import EngramOptions
 from models.config import ConfigError
 from models.config_v41 import EngramSpec
 from models.engram import EngramMemory
@@ -38,11 +40,19 @@ def engram_hasher(spec: EngramSpec, tokenizer: Tokenizer) -> NgramHasher:
     return NgramHasher(lookup, layout, spec.pad_id)
 
 
-def engram_memory(spec: EngramSpec, directory: Path, read_table: TableReader, device: str) -> EngramMemory:
+def engram_memory(
+    spec: EngramSpec, directory: Path, read_table: TableReader, device: str, options: EngramOptions | None = None
+) -> EngramMemory:
+    """Without `options` every table is read into memory; with them, each layer goes to its tier."""
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ConfigError(f"Engram needs the checkpoint's tokenizer: {tokenizer_file} is missing")
     hasher = engram_hasher(spec, Tokenizer.from_file(str(tokenizer_file)))
+    if options is not None:
+        primes = [[p for order in layer for p in order] for layer in hasher.layout.primes]
+        store = build_store(spec.layer_ids, hasher.layout.num_embeddings, primes, spec.head_dim, directory, read_table,
+                            options, device)
+        return EngramMemory(hasher, store)
     values, scales = [], []
     for layer, rows in zip(spec.layer_ids, hasher.layout.num_embeddings):
         layer_values, layer_scales = read_table(layer, spec.head_dim)

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engram_store.store import EngramOptions
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
 from models.config import ConfigError, ModelConfig
 from models.engram_setup import engram_memory
@@ -147,8 +148,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     simulate_quantization: bool = True,
+    engram: EngramOptions | None = None,
 ) -> DeepseekV4 | DeepseekV41:
-    """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons)."""
+    """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
+    `engram` places each Engram table in its tier (engram_store/); None reads them all into memory."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
@@ -167,12 +170,11 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.engram is not None:
         try:
-            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device)
+            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram)
         except ConfigError as exc:
             raise CheckpointError(f"{directory}: {exc}") from exc
-    unexpected = sorted(
-        name for name in reader.source.names() - reader.consumed if not name.startswith(IGNORED_PREFIXES)
-    )
+    ignored = IGNORED_PREFIXES + (("model.engram_tables.",) if config.engram is not None else ())  # disk tiers read files
+    unexpected = sorted(name for name in reader.source.names() - reader.consumed if not name.startswith(ignored))
     if unexpected:
         shown = ", ".join(repr(n) for n in unexpected[:5])
         raise CheckpointError(f"unexpected tensors in {directory} not used by the model: {shown}"

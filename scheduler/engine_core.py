@@ -93,6 +93,9 @@ class EngineCore:
                 output = self.scheduler.abort(payload)  # type: ignore[arg-type]
                 if output is not None:
                     self.on_output(output)
+                    cancel = getattr(self.executor, "cancel", None)
+                    if cancel is not None:  # drop the request's pending prefetches
+                        cancel(payload)
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:

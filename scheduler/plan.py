@@ -39,6 +39,7 @@ class ChunkResult:
     request_id: str
     sampled: TokenLogprob | None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # logprob of chunk token i+1 given tokens <= i
+    error: str | None = None  # this chunk could not be computed correctly (e.g. an unreadable Engram row)
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,9 @@ class Scheduler:
             request = by_id.get(chunk.request_id)
             if request is None:  # aborted while the step ran
                 continue
+            if chunk_result.error is not None:  # only this request fails; the step's others go on
+                outputs.append(self._finish(request, RequestStatus.FAILED, "error", chunk_result.error))
+                continue
             request.num_computed_tokens += len(chunk.token_ids)
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
             if chunk.params.prompt_logprobs is not None and in_prompt:  # not again when recomputed after preemption

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engram_store.store import EngramOptions
 from models import ModelConfig, load_model
 from models.cache import page_granularity
 from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
@@ -50,6 +52,19 @@ def max_model_len(config: "ServeConfig", model_config: ModelConfig) -> int:
     return config.model.max_model_len or model_config.max_position_embeddings
 
 
+def engram_options(config: "ServeConfig") -> EngramOptions:
+    section = config.engram
+    return EngramOptions(
+        residency=section.residency,
+        layer_residency={layer: override.residency for layer, override in section.layers.items()},
+        path=Path(section.path) if section.path else None,
+        host_cache_bytes=int(section.host_cache_gb * 2**30),
+        gpu_cache_bytes=int(section.gpu_cache_gb * 2**30),
+        queue_depth=section.queue_depth,
+        resident_scales=section.resident_scales,
+    )
+
+
 class EngineConfigError(ValueError):
     """A config the engine cannot run with; names the key."""
 
@@ -66,7 +81,7 @@ def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput]
         raise EngineConfigError(
             f"scheduler.block_tokens {block_tokens} must be a multiple of {unit} for this model (its compress rates)"
         )
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = load_model(model_dir, dtype=dtype, device=device, engram=engram_options(config))
     sched = config.scheduler
     plan = _memory_plan(config, model, device, max_len)
     log.info(plan.describe())

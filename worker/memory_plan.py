@@ -21,9 +21,8 @@ GiB = 2**30
 def model_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     memory = getattr(model, "engram_memory", None)
-    if memory is not None:
-        tensors += list(memory.source.values) + list(memory.source.scales)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    engram = memory.source.resident_bytes() if memory is not None else 0
+    return engram + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _peak_rss_bytes() -> int:

@@ -17,3 +17,9 @@ class WorkerPool:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.ranks[0].execute(plan)
+
+    def cancel(self, request_id: str) -> None:
+        """An aborted request: rank 0 drops its pending Engram prefetches."""
+        cancel = getattr(self.ranks[0], "cancel", None)
+        if cancel is not None:
+            cancel(request_id)

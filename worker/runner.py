@@ -53,12 +53,41 @@ class ModelRunner:
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
         with BatchInvariantMode() if self.deterministic else nullcontext():
             logits = self.model(batch, self.cache, out=out)
+        failed = self._engram_failures()
         results, offset = [], 0
-        for chunk, rows in zip(plan.chunks, logit_rows):
+        for chunk, rows, batch_chunk in zip(plan.chunks, logit_rows, batch.chunks):
             chunk_logits = logits[offset : offset + len(rows)]
             offset += len(rows)
-            results.append(self._chunk_result(chunk, chunk_logits))
+            error = next((failed[r] for r in range(batch_chunk.start, batch_chunk.start + batch_chunk.length) if r in failed), None)
+            if error is not None:
+                results.append(ChunkResult(request_id=chunk.request_id, sampled=None, error=error))
+            else:
+                results.append(self._chunk_result(chunk, chunk_logits))
+        self._hint_next_rows(plan, results)
         return StepResult(chunks=tuple(results))
+
+    def _engram_failures(self) -> dict[int, str]:
+        memory = getattr(self.model, "engram_memory", None)
+        return memory.failed_tokens() if memory is not None else {}
+
+    def _hint_next_rows(self, plan: StepPlan, results: list[ChunkResult]) -> None:
+        """Sampled tokens are the next step's inputs: their Engram rows can be read now."""
+        memory = getattr(self.model, "engram_memory", None)
+        hint = getattr(getattr(memory, "source", None), "hint", None)
+        if hint is None:
+            return
+        for chunk, result in zip(plan.chunks, results):
+            if result.sampled is not None:
+                context = self.cache.engram_context[chunk.slot].tolist()
+                ids, _ = memory.hasher.row_ids([result.sampled.token_id], None, context)
+                hint(chunk.request_id, torch.from_numpy(ids))
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted: its pending Engram prefetches are dropped."""
+        memory = getattr(self.model, "engram_memory", None)
+        cancel = getattr(getattr(memory, "source", None), "cancel", None)
+        if cancel is not None:
+            cancel(request_id)
 
     @staticmethod
     def _rows_wanted(chunk) -> list[int]:

@@ -1,0 +1,189 @@
+"""Writes Engram table files (format.py) from a checkpoint's safetensors tables, and verifies them.
+
+    python -m engram_store.convert MODEL_DIR [--out DIR] [--scales inline|separate]
+    python -m engram_store.verify DIR
+
+Conversion streams: rows are read from safetensors a block at a time, so memory stays bounded
+whatever the table size (the released tables are ~98 GB each). fp8 tables keep their power-of-two
+scales as e8m0 bytes; float tables keep float32 scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from engram_store.format import PAGE, TRAILER, TableFormatError, TableHeader, check_page, seal_page
+
+ROWS_PER_BLOCK = 1 << 16
+
+
+def table_file(directory: Path, layer_id: int) -> Path:
+    return directory / f"engram_layer{layer_id}.tbl"
+
+
+def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """[n, d] tensor -> [n, d * itemsize] uint8 (the row's bytes as stored on disk)."""
+    return tensor.contiguous().view(torch.uint8).numpy().reshape(tensor.shape[0], -1)
+
+
+def _scale_bytes(scales: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype == "e8m0":
+        mantissa, exponent = torch.frexp(scales.float())
+        return (exponent - 1 + 127).to(torch.uint8).numpy()
+    return _as_bytes(scales.float())
+
+
+def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarray, np.ndarray]], progress: bool = False) -> TableHeader:
+    """Writes a table from blocks of (value bytes [n, value_bytes], scale bytes [n, scale_bytes]) rows.
+    Returns the header as written (with the scale section checksum)."""
+    tmp = path.with_suffix(".partial")
+    per_page, separate = header.rows_per_page, header.scale_layout == "separate"
+    scale_crc, written, page_no = 0, 0, 1
+    pending_values: list[np.ndarray] = []
+    scale_chunks: list[np.ndarray] = []
+    with open(tmp, "wb") as out:
+        out.write(b"\0" * PAGE)  # header last, once the checksums are known
+
+        def flush(rows: np.ndarray) -> None:
+            nonlocal page_no
+            n_pages = -(-rows.shape[0] // per_page)
+            padded = np.zeros((n_pages * per_page, rows.shape[1]), dtype=np.uint8)
+            padded[: rows.shape[0]] = rows
+            for page in padded.reshape(n_pages, -1):
+                out.write(seal_page(page.tobytes(), page_no, header.table_id))
+                page_no += 1
+
+        for values, scales in blocks:
+            rows = values if separate else np.concatenate([values, scales], axis=1)
+            if separate:
+                scale_chunks.append(scales)
+                scale_crc = zlib.crc32(scales.tobytes(), scale_crc)
+            pending_values.append(rows)
+            buffered = sum(r.shape[0] for r in pending_values)
+            if buffered >= per_page:
+                joined = np.concatenate(pending_values)
+                whole = buffered // per_page * per_page
+                flush(joined[:whole])
+                pending_values = [joined[whole:]] if whole < buffered else []
+            written += values.shape[0]
+            if progress:
+                print(f"\r{path.name}: {written}/{header.rows} rows ({100 * written // max(header.rows, 1)}%)", end="", file=sys.stderr)
+        if pending_values:
+            flush(np.concatenate(pending_values))
+        if written != header.rows:
+            raise TableFormatError(f"{path}: wrote {written} rows, the header says {header.rows}")
+        if separate:
+            section = np.concatenate(scale_chunks).tobytes()
+            out.write(section.ljust(-(-len(section) // PAGE) * PAGE, b"\0"))
+        final = TableHeader(**{**header.__dict__, "scale_section_crc": scale_crc})
+        out.seek(0)
+        out.write(final.encode())
+        out.flush()
+        os.fsync(out.fileno())
+    if progress:
+        print(file=sys.stderr)
+    tmp.replace(path)
+    return final
+
+
+def convert_checkpoint(model_dir: Path, out_dir: Path, scale_layout: str = "inline", progress: bool = True) -> list[Path]:
+    """One table file per Engram layer of a V4.1 checkpoint (`model.engram_tables.<L>.weight`)."""
+    from models.config import ModelConfig
+    from models.engram_hash import EngramLayout
+    from models.loader import TensorSource
+
+    config = ModelConfig.from_file(model_dir / "config.json")
+    spec = config.engram
+    if spec is None:
+        raise TableFormatError(f"{model_dir}: the checkpoint has no Engram layers")
+    layout = EngramLayout.build(list(spec.layer_ids), spec.max_ngram, spec.n_heads, spec.prime_search_start)
+    source = TensorSource(model_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index, layer in enumerate(spec.layer_ids):
+        name = f"model.engram_tables.{layer}.weight"
+        scale_name = next((n for n in (name + "_scale_inv", f"model.engram_tables.{layer}.scale") if n in source.names()), None)
+        with safe_open(source.files[name], framework="pt") as values_file:
+            values = values_file.get_slice(name)
+            rows, dim = values.get_shape()
+            value_dtype = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "F32": "float32"}[values.get_dtype()]
+            scale_handle = safe_open(source.files[scale_name], framework="pt") if scale_name else None
+            scales = scale_handle.get_slice(scale_name) if scale_handle else None
+            n_scales = scales.get_shape()[1] if scales is not None else 1
+            scale_dtype = "e8m0" if value_dtype == "float8_e4m3fn" else "float32"
+            header = TableHeader(
+                table_id=secrets.randbits(64), layer_id=layer, rows=rows, row_dim=dim, value_dtype=value_dtype,
+                scale_dtype=scale_dtype, scale_block=dim // n_scales, scale_layout=scale_layout,
+                primes=[p for order in layout.primes[index] for p in order], offsets=list(layout.offsets[index]),
+            )
+
+            def blocks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                for start in range(0, rows, ROWS_PER_BLOCK):
+                    end = min(rows, start + ROWS_PER_BLOCK)
+                    block_scales = scales[start:end] if scales is not None else torch.ones(end - start, 1)
+                    yield _as_bytes(values[start:end]), _scale_bytes(block_scales, scale_dtype)
+
+            path = table_file(out_dir, layer)
+            write_table(path, header, blocks(), progress=progress)
+            written.append(path)
+    return written
+
+
+def read_header(path: Path) -> TableHeader:
+    with open(path, "rb") as f:
+        return TableHeader.decode(f.read(PAGE), str(path))
+
+
+def verify_table(path: Path) -> list[str]:
+    """Every problem found in one file (empty: the file verifies)."""
+    header = read_header(path)
+    problems = []
+    size = path.stat().st_size
+    if size != header.file_bytes:
+        problems.append(f"{path}: {size} bytes, the header implies {header.file_bytes}")
+    with open(path, "rb") as f:
+        f.seek(PAGE)
+        for page_no in range(1, header.data_pages + 1):
+            page = f.read(PAGE)
+            why = check_page(page, page_no, header.table_id)
+            if why:
+                problems.append(f"{path}: page {page_no}: {why}")
+        if header.scale_layout == "separate":
+            section = f.read(header.scale_section_bytes)
+            if zlib.crc32(section) != header.scale_section_crc:
+                problems.append(f"{path}: scale section checksum mismatch")
+    return problems
+
+
+def main_convert() -> None:
+    parser = argparse.ArgumentParser(prog="python -m engram_store.convert", description=__doc__.split("\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--out", type=Path, help="default: MODEL_DIR/engram")
+    parser.add_argument("--scales", choices=["inline", "separate"], default="inline")
+    args = parser.parse_args()
+    for path in convert_checkpoint(args.model_dir, args.out or args.model_dir / "engram", args.scales):
+        print(json.dumps({"table": str(path), "bytes": path.stat().st_size}))
+
+
+def main_verify() -> None:
+    parser = argparse.ArgumentParser(prog="python -m engram_store.verify")
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args()
+    problems = [p for path in sorted(args.directory.glob("*.tbl")) for p in verify_table(path)]
+    print("\n".join(problems) or "all pages verify")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main_convert()

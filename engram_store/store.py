@@ -1,0 +1,240 @@
+"""The Engram row store: every layer's rows from its residency tier, with disk reads prefetched.
+
+Tiers, chosen per layer (`engram.residency`, per-layer overrides):
+- gpu: the whole table in the compute device's memory; host: the whole table in (pinned) RAM;
+- disk: the table file (format.py) on NVMe, read through io_uring, with a host row cache (SLRU) and
+  optionally a device row cache in front of it.
+The model calls `prefetch(row ids of the step, every Engram layer)` as soon as it has hashed the step's
+tokens: disk layers dedupe the rows, serve cache hits and queue the misses on the I/O thread, so the
+reads overlap the layers that run before the first Engram layer. `rows(layer, ids)` then waits only for
+that layer. The runner also hands over `hint`s (a sampled token's rows, before its step is scheduled)
+that warm the cache and are cancelled if the request is aborted.
+A row that cannot be read and verified is never used: it comes back as zeros and the tokens that
+needed it are reported by `failed_tokens()`, so the runner fails exactly those requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram_store.cache import RowCache
+from engram_store.format import PAGE, TableHeader, check_page
+from engram_store.uring import UringPageReader
+from kernels import gather_engram_rows
+
+log = logging.getLogger("ds4serve.engram")
+RESIDENCIES = ("gpu", "host", "disk")
+
+
+@dataclass(frozen=True)
+class EngramOptions:
+    """engram: section of the YAML, resolved (see server/config.py)."""
+
+    residency: str = "host"
+    layer_residency: dict[int, str] = field(default_factory=dict)  # per-layer overrides
+    path: Path | None = None  # table files; default MODEL_DIR/engram, converted on first use
+    host_cache_bytes: int = 4 << 30
+    gpu_cache_bytes: int = 0
+    queue_depth: int = 64
+    resident_scales: bool = False
+
+    def residency_of(self, layer_id: int) -> str:
+        return self.layer_residency.get(layer_id, self.residency)
+
+
+@dataclass
+class StoreStats:
+    rows_resident: int = 0
+    rows_device_cache: int = 0
+    rows_host_cache: int = 0
+    rows_disk: int = 0
+    bytes_read: int = 0
+    read_errors: int = 0
+    prefetch_wait_s: list[float] = field(default_factory=list)  # one per waited layer, drained by readers
+
+
+class ResidentLayer:
+    """gpu / host residency: the whole table in memory."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, device: str) -> None:
+        self.values, self.scales, self.device = values, scales, device
+
+    def rows(self, row_ids: torch.Tensor) -> torch.Tensor:
+        return gather_engram_rows(self.values, self.scales, row_ids.to(self.values.device)).to(self.device)
+
+
+class DiskLayer:
+    """disk residency: a table file, a host row cache and an optional device row cache."""
+
+    def __init__(self, header: TableHeader, file_index: int, host_cache: RowCache, device_cache: RowCache | None,
+                 resident_scales: torch.Tensor | None, device: str) -> None:
+        self.header, self.file_index, self.device = header, file_index, device
+        self.host_cache, self.device_cache = host_cache, device_cache
+        self.resident_scales = resident_scales  # [rows, scale bytes] when the file keeps scales apart
+
+    def fetch(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
+        """Raw row bytes [len(rows), row_bytes] for distinct rows, and why each unusable row failed.
+        Runs on the I/O thread (the only thread that touches the caches)."""
+        h = self.header
+        raw = torch.zeros(len(rows), h.row_bytes, dtype=torch.uint8)
+        missing = np.ones(len(rows), dtype=bool)
+        for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
+            if cache is None or not missing.any():
+                continue
+            wanted = np.flatnonzero(missing)
+            hit, slots = cache.lookup(rows[wanted])
+            raw[wanted[hit]] = cache.storage[torch.from_numpy(slots)].cpu()
+            missing[wanted[hit]] = False
+            setattr(stats, counter, getattr(stats, counter) + int(hit.sum()))
+        failed: dict[int, str] = {}
+        if missing.any():
+            wanted = np.flatnonzero(missing)
+            pages, offsets = h.page_of(rows[wanted])
+            keys = sorted({(self.file_index, int(p)) for p in pages})
+            got, bad = reader.read_pages(keys, lambda key, page: check_page(page, key[1], h.table_id))
+            loaded = []
+            for i, page, offset in zip(wanted.tolist(), pages.tolist(), offsets.tolist()):
+                key = (self.file_index, page)
+                if key in got:
+                    raw[i] = torch.frombuffer(bytearray(got[key][offset : offset + h.row_bytes]), dtype=torch.uint8)
+                    loaded.append(i)
+                else:
+                    failed[int(rows[i])] = f"Engram layer {h.layer_id} row {int(rows[i])} (page {page}): {bad[key]}"
+            stats.rows_disk += len(loaded)
+            stats.bytes_read = reader.bytes_read
+            stats.read_errors = reader.errors
+            if loaded:
+                self.host_cache.insert(rows[loaded].tolist(), raw[loaded])
+                if self.device_cache is not None:
+                    self.device_cache.insert(rows[loaded].tolist(), raw[loaded].to(self.device_cache.storage.device))
+        return raw, failed
+
+    def decode(self, raw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Row bytes -> float32 rows [n, row_dim] (values times their block scales)."""
+        h = self.header
+        values = raw[:, : h.value_bytes].contiguous()
+        values = values.view({"float8_e4m3fn": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
+                              "float32": torch.float32}[h.value_dtype]).float()
+        scale_bytes = raw[:, h.value_bytes :] if self.resident_scales is None else self.resident_scales[rows]
+        if h.scale_dtype == "e8m0":
+            scales = torch.exp2(scale_bytes.float() - 127)
+        else:
+            scales = scale_bytes.contiguous().view(torch.float32)
+        return (values.view(len(raw), -1, h.scale_block) * scales[..., None]).view(len(raw), h.row_dim)
+
+
+class EngramStore:
+    def __init__(self, layers: list[ResidentLayer | DiskLayer], reader: UringPageReader | None, device: str) -> None:
+        self.layers, self.reader, self.device = layers, reader, device
+        self.stats = StoreStats()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._pending: dict[int, tuple[np.ndarray, Future]] = {}
+        self._failed: dict[int, str] = {}
+        self._cancelled: set[str] = set()
+        self._order = 0
+        self._thread = None
+        if reader is not None:
+            self._thread = threading.Thread(target=self._serve, name="ds4serve-engram-io", daemon=True)
+            self._thread.start()
+
+    # -- the model's side ------------------------------------------------------------------------
+    def prefetch(self, row_ids: torch.Tensor) -> None:
+        """row_ids [T, engram layers, columns] of the step about to run; starts the disk layers' reads."""
+        self._failed = {}
+        self._pending = {}
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, DiskLayer):
+                unique = np.unique(row_ids[:, index].numpy())
+                self._pending[index] = (unique, self._submit(priority=0, layer=index, rows=unique))
+
+    def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
+        """[T, columns, row_dim] float32 rows on the compute device; waits for this layer's reads."""
+        layer = self.layers[layer_index]
+        if isinstance(layer, ResidentLayer):
+            self.stats.rows_resident += row_ids.numel()
+            return layer.rows(row_ids)
+        ids = row_ids.numpy()
+        unique, future = self._pending.pop(layer_index, (None, None))
+        if future is None:
+            unique = np.unique(ids)
+            future = self._submit(priority=0, layer=layer_index, rows=unique)
+        started = time.perf_counter()
+        raw, failed = future.result()
+        self.stats.prefetch_wait_s.append(time.perf_counter() - started)
+        index = np.searchsorted(unique, ids.reshape(-1))
+        rows = layer.decode(raw[torch.from_numpy(index)], torch.from_numpy(ids.reshape(-1)))
+        if failed:
+            bad = np.isin(ids, np.fromiter(failed, dtype=np.int64))
+            rows[torch.from_numpy(bad.reshape(-1))] = 0.0  # never a wrong row: zeros, and the token fails
+            for token in np.flatnonzero(bad.any(axis=1)).tolist():
+                first = next(int(r) for r in ids[token] if int(r) in failed)
+                self._failed.setdefault(token, failed[first])
+        return rows.view(*row_ids.shape, -1).to(self.device)
+
+    def failed_tokens(self) -> dict[int, str]:
+        """Tokens of the last step (flat batch rows) whose rows could not be served, with the reason."""
+        return dict(self._failed)
+
+    def resident_bytes(self) -> int:
+        tensors = []
+        for layer in self.layers:
+            if isinstance(layer, ResidentLayer):
+                tensors += [layer.values, layer.scales]
+            else:
+                tensors += [c.storage for c in (layer.host_cache, layer.device_cache) if c is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- the scheduler's side --------------------------------------------------------------------
+    def hint(self, request_id: str, row_ids: torch.Tensor) -> None:
+        """Warms the caches for rows a request will need next ([engram layers, columns] or [T, L, C])."""
+        ids = row_ids.reshape(-1, row_ids.shape[-2], row_ids.shape[-1])
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, DiskLayer):
+                self._submit(priority=1, layer=index, rows=np.unique(ids[:, index].numpy()), request_id=request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Drops the request's hints that have not been read yet."""
+        self._cancelled.add(request_id)
+
+    # -- the I/O thread --------------------------------------------------------------------------
+    def _submit(self, priority: int, layer: int, rows: np.ndarray, request_id: str | None = None) -> Future:
+        future: Future = Future()
+        if self._thread is None:
+            raise RuntimeError("disk-resident Engram layers need the I/O thread")
+        self._order += 1
+        self._jobs.put((priority, self._order, layer, rows, request_id, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            priority, _, layer, rows, request_id, future = self._jobs.get()
+            if layer is None:
+                return
+            if request_id is not None and request_id in self._cancelled:
+                future.cancel()
+                continue
+            if self._jobs.empty():
+                self._cancelled.clear()  # every hint queued before those aborts has been seen
+            try:
+                future.set_result(self.layers[layer].fetch(rows, self.reader, self.stats))
+            except Exception as exc:  # a failure here must not kill the thread the model waits on
+                log.exception("Engram fetch failed")
+                failed = {int(r): f"Engram layer {layer}: {type(exc).__name__}: {exc}" for r in rows.tolist()}
+                future.set_result((torch.zeros(len(rows), self.layers[layer].header.row_bytes, dtype=torch.uint8), failed))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put((-1, 0, None, None, None, None))
+            self._thread.join(5)
+            self._thread = None
+        if self.reader is not None:
+            self.reader.close()

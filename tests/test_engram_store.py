@@ -1,0 +1,156 @@
+"""Engram rows from table files through io_uring: same logits in every tier, faults fail only the
+requests that needed the bad rows, and the reaping path holds up under load."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram_store.build import EngramConfigError
+from engram_store.convert import convert_checkpoint, read_header, table_file, verify_table
+from engram_store.format import PAGE, TableHeader, check_page
+from engram_store.store import EngramOptions
+from engram_store.uring import UringPageReader
+from engram_store.convert import write_table
+from models import ForwardBatch, ModelCache, load_model
+from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from tests.conftest import random_tokens
+from worker import ModelRunner
+
+
+def disk_options(path: Path, **overrides) -> EngramOptions:
+    return EngramOptions(**{"residency": "disk", "path": path, "host_cache_bytes": 1 << 14, "queue_depth": 8, **overrides})
+
+
+def logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    cache = ModelCache.allocate(model.config, len(sequences), 256)
+    return model(ForwardBatch.build([(i, s, 0) for i, s in enumerate(sequences)], logits="all"), cache)
+
+
+def test_every_tier_gives_the_same_logits(checkpoints, tmp_path):
+    prompts = [random_tokens(60, seed=1), random_tokens(60, seed=1), random_tokens(45, seed=2)]  # a duplicate
+    reference = logits(load_model(checkpoints["v41"], engram=EngramOptions(residency="gpu")), prompts)
+    for options in (EngramOptions(residency="host"), disk_options(tmp_path / "tables"),
+                    disk_options(tmp_path / "separate", resident_scales=True),
+                    EngramOptions(residency="host", layer_residency={4: "disk"}, path=tmp_path / "tables")):
+        model = load_model(checkpoints["v41"], engram=options)
+        cold = logits(model, prompts)
+        warm = logits(model, prompts)
+        assert torch.equal(cold, reference) and torch.equal(warm, reference), options
+    store = model.engram_memory.source
+    assert store.stats.rows_disk > 0 and store.stats.rows_host_cache > 0
+
+
+def test_table_edges_and_duplicates_read_back_exactly(checkpoints, tmp_path):
+    memory = load_model(checkpoints["v41"], engram=EngramOptions(residency="host")).engram_memory
+    disk = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t")).engram_memory
+    for index, rows in enumerate(memory.hasher.layout.num_embeddings):
+        ids = torch.tensor([[0, rows - 1, 0, rows - 1], [1, rows - 2, rows // 2, 0]])
+        expected = memory.source.rows(index, ids)
+        disk.source.prefetch(torch.stack([ids] * len(memory.hasher.layout.num_embeddings), dim=1))
+        assert torch.equal(disk.source.rows(index, ids), expected)
+    assert verify_table(table_file(tmp_path / "t", 1)) == []
+
+
+def test_disk_on_tmpfs_is_refused(checkpoints):
+    if not Path("/dev/shm").exists():
+        pytest.skip("no /dev/shm here")
+    with pytest.raises(EngramConfigError, match="engram.residency: disk on /dev/shm"):
+        load_model(checkpoints["v41"], engram=disk_options(Path("/dev/shm/ds4serve-engram-test")))
+
+
+def pages_of(model, prompt: list[int], layer_index: int) -> set[int]:
+    ids, _ = model.engram_memory.hasher.row_ids(prompt, None, model.engram_memory.hasher.empty_context())
+    header = model.engram_memory.source.layers[layer_index].header
+    return {int(p) for p in header.page_of(np.unique(ids[:, layer_index]))[0]}
+
+
+def run_requests(model, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    limits = SchedulerLimits(4, 512, 256, model.config.vocab_size, (), block_tokens=16)
+    runner = ModelRunner(model, 4, 256, num_pages=limits.total_pages, block_tokens=16)
+    scheduler = Scheduler(limits)
+    for rid, prompt in prompts.items():
+        scheduler.add(Request(rid, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    errors: dict[str, str] = {}
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        for output in scheduler.update(plan, runner.execute(plan)):
+            tokens[output.request_id] += output.new_token_ids
+            if output.error:
+                errors[output.request_id] = output.error
+    scheduler.check_integrity()
+    return tokens, errors
+
+
+@pytest.mark.parametrize("fault", ["flipped byte", "truncated", "eio", "foreign page"])
+def test_a_bad_page_fails_only_the_requests_that_need_it(checkpoints, tmp_path, fault):
+    tables = tmp_path / "tables"
+    clean = load_model(checkpoints["v41"], engram=disk_options(tables))
+    for seed in range(50):  # "b" short, so that "a" needs some page past all of b's (truncation)
+        prompts = {"a": random_tokens(40, seed=5), "b": random_tokens(4, seed=100 + seed)}
+        expected, _ = run_requests(clean, prompts)
+        fed = {rid: prompts[rid] + expected[rid][:-1] for rid in prompts}  # every token the model will see
+        a_pages, b_pages = pages_of(clean, fed["a"], 0), pages_of(clean, fed["b"], 0)
+        candidates = sorted(a_pages - b_pages)
+        if fault == "truncated":  # cut the file inside a page only "a" needs, keeping all of b's
+            candidates = [p for p in candidates if all(q < p for q in b_pages)]
+        if candidates:
+            break
+    assert candidates, "no prompt pair needs a page of its own"
+    header = clean.engram_memory.source.layers[0].header
+    bad = candidates[-1]
+    path = table_file(tables, header.layer_id)
+    model = load_model(checkpoints["v41"], engram=disk_options(tables))  # fresh, cold caches
+    if fault == "flipped byte":
+        with open(path, "r+b") as f:
+            f.seek(bad * PAGE + 100)
+            byte = f.read(1)
+            f.seek(bad * PAGE + 100)
+            f.write(bytes([byte[0] ^ 0x40]))
+    elif fault == "truncated":
+        os.truncate(path, bad * PAGE + 1000)
+    elif fault == "eio":
+        model.engram_memory.source.reader.inject_error = lambda key: 5 if key == (0, bad) else None  # EIO
+    else:  # a page of the other layer's file, copied over this one
+        other = table_file(tables, model.config.engram.layer_ids[1])
+        with open(other, "rb") as src, open(path, "r+b") as dst:
+            src.seek(bad * PAGE)
+            page = src.read(PAGE)
+            dst.seek(bad * PAGE)
+            dst.write(page)
+    tokens, errors = run_requests(model, prompts)
+    assert set(errors) == {"a"} and f"page {bad}" in errors["a"]
+    assert tokens["b"] == expected["b"]
+    assert model.engram_memory.source.stats.read_errors >= 1
+
+
+def test_reaping_at_queue_depth_64_over_100k_reads(tmp_path):
+    """Every byte of 100,000 random page reads at queue depth 64 is checked against the file."""
+    rows, dim = 60_000, 256
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 256, size=(rows, dim), dtype=np.uint8)
+    scales = rng.integers(100, 140, size=(rows, dim // 32), dtype=np.uint8)
+    header = TableHeader(table_id=0xABCDEF, layer_id=7, rows=rows, row_dim=dim, value_dtype="float8_e4m3fn",
+                         scale_dtype="e8m0", scale_block=32, scale_layout="inline")
+    path = tmp_path / "big.tbl"
+    write_table(path, header, iter([(values, scales)]))
+    header = read_header(path)
+    raw = path.read_bytes()
+    reader = UringPageReader([path], queue_depth=64)
+    checked = 0
+    for _ in range(100):  # 100 x 1,000 distinct random pages
+        batch = [(0, int(p)) for p in rng.choice(np.arange(1, header.data_pages + 1), 1000, replace=False)]
+        pages, failed = reader.read_pages(batch, lambda key, page: check_page(page, key[1], header.table_id))
+        assert not failed
+        for (_, page_no), data in pages.items():
+            assert data == raw[page_no * PAGE : (page_no + 1) * PAGE]
+        checked += len(pages)
+    reader.close()
+    assert checked == reader.reads == 100_000
