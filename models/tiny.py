@@ -187,8 +187,9 @@ def quantize_engram_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return values.view(rows.shape), scales.squeeze(-1)
 
 
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded weights scaled so activations stay O(1) through every layer (no dead branches)."""
+def random_weights(config: ModelConfig, seed: int = 0, engram_tables: bool = True) -> dict[str, torch.Tensor]:
+    """Seeded weights scaled so activations stay O(1) through every layer (no dead branches).
+    `engram_tables=False` leaves the (possibly huge) Engram tables to the caller."""
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
@@ -216,7 +217,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             weights[name] = normal(shape, 1.0)
         else:  # projections: fan-in is the last dim
             weights[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
-    if config.engram is not None:
+    if config.engram is not None and engram_tables:
         for layer, rows in zip(config.engram.layer_ids, config.engram.num_embeddings):
             values, scales = quantize_engram_rows(normal(torch.Size((rows, config.engram.head_dim)), 1.0))
             weights[f"model.engram_tables.{layer}.weight"] = values
