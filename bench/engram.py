@@ -108,7 +108,7 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
     before = (sum(l.host_cache.hits for l in disk), sum(l.host_cache.misses for l in disk),
               store.reader.reads if getattr(store, "reader", None) else 0)
     if stats is not None:
-        stats.prefetch_wait_s.clear()
+        stats.recent_waits_s.clear()
     result = runner.execute(StepPlan(tuple(chunk(runner, s, p, 0) for s, p in enumerate(prompts))))
     last = [c.sampled.token_id for c in result.chunks]
     start = time.perf_counter()
@@ -119,7 +119,7 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
     if runner.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    waits = sorted(stats.prefetch_wait_s) if stats is not None and stats.prefetch_wait_s else [0.0]
+    waits = sorted(stats.recent_waits_s) if stats is not None and stats.recent_waits_s else [0.0]
     hits = sum(l.host_cache.hits for l in disk) - before[0]
     misses = sum(l.host_cache.misses for l in disk) - before[1]
     reads = (store.reader.reads if getattr(store, "reader", None) else 0) - before[2]

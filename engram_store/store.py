@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from engram_store.cache import RowCache
 from engram_store.format import PAGE, TableHeader, check_page
 from engram_store.uring import UringPageReader
 from kernels import gather_engram_rows
+from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
 
 log = logging.getLogger("ds4serve.engram")
 RESIDENCIES = ("gpu", "host", "disk")
@@ -53,13 +55,26 @@ class EngramOptions:
 
 @dataclass
 class StoreStats:
+    """Counters since start (served rows per tier, reads) and how long Engram layers waited for rows."""
+
     rows_resident: int = 0
     rows_device_cache: int = 0
     rows_host_cache: int = 0
     rows_disk: int = 0
     bytes_read: int = 0
     read_errors: int = 0
-    prefetch_wait_s: list[float] = field(default_factory=list)  # one per waited layer, drained by readers
+    wait_count: int = 0
+    wait_sum_s: float = 0.0
+    wait_buckets: list[int] = field(default_factory=lambda: [0] * len(PREFETCH_WAIT_BUCKETS))  # cumulative
+    recent_waits_s: deque = field(default_factory=lambda: deque(maxlen=1 << 16))  # for percentiles (bench)
+
+    def record_wait(self, seconds: float) -> None:
+        self.wait_count += 1
+        self.wait_sum_s += seconds
+        for i, edge in enumerate(PREFETCH_WAIT_BUCKETS):
+            if seconds <= edge:
+                self.wait_buckets[i] += 1
+        self.recent_waits_s.append(seconds)
 
 
 class ResidentLayer:
@@ -169,7 +184,7 @@ class EngramStore:
             future = self._submit(priority=0, layer=layer_index, rows=unique)
         started = time.perf_counter()
         raw, failed = future.result()
-        self.stats.prefetch_wait_s.append(time.perf_counter() - started)
+        self.stats.record_wait(time.perf_counter() - started)
         index = np.searchsorted(unique, ids.reshape(-1))
         rows = layer.decode(raw[torch.from_numpy(index)], torch.from_numpy(ids.reshape(-1)))
         if failed:

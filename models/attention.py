@@ -124,8 +124,8 @@ class Attention(nn.Module):
         if self.kind == CSA:
             visible = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
         else:
-            positions = torch.arange(chunk.position, chunk.end_position)
-            visible = torch.arange(n_entries)[None, :] < ((positions + 1) // rate)[:, None]
+            positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
+            visible = torch.arange(n_entries, device=x.device)[None, :] < ((positions + 1) // rate)[:, None]
         return entries, visible
 
 
@@ -133,12 +133,13 @@ def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> t
     """Keys of positions [p0 - window + 1, p1) and the additive mask keeping (t - window, t] per query;
     then stores the chunk's last `window` entries in the slot's ring (row = position % window)."""
     p0, p1, w = chunk.position, chunk.end_position, ring.shape[1]
-    past = torch.arange(max(0, p0 - w + 1), p0)
+    device = kv.device
+    past = torch.arange(max(0, p0 - w + 1), p0, device=device)
     keys = torch.cat([ring[chunk.slot, past % w], kv])
-    key_positions = torch.cat([past, torch.arange(p0, p1)])
-    query_positions = torch.arange(p0, p1)[:, None]
+    key_positions = torch.cat([past, torch.arange(p0, p1, device=device)])
+    query_positions = torch.arange(p0, p1, device=device)[:, None]
     allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
-    bias = torch.zeros(allowed.shape, dtype=kv.dtype).masked_fill(~allowed, float("-inf"))
-    stored = torch.arange(max(p0, p1 - w), p1)
+    bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=device).masked_fill(~allowed, float("-inf"))
+    stored = torch.arange(max(p0, p1 - w), p1, device=device)
     ring[chunk.slot, stored % w] = kv[stored - p0]
     return keys, bias

@@ -71,3 +71,11 @@ class ForwardBatch:
             chunk if chunk.pages is not None else replace(chunk, pages=default_pages(chunk.slot)) for chunk in self.chunks
         )
         return replace(self, chunks=chunks)
+
+    def to(self, device: torch.device | str) -> "ForwardBatch":
+        """The batch's index tensors on the model's device (block tables included)."""
+        if self.token_ids.device == torch.device(device):
+            return self
+        chunks = tuple(c if c.pages is None else replace(c, pages=c.pages.to(device)) for c in self.chunks)
+        return replace(self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
+                       logits_rows=self.logits_rows.to(device), chunks=chunks)

@@ -63,7 +63,7 @@ def paged_read(store: torch.Tensor, pages: torch.Tensor, count: int) -> torch.Te
 
 def paged_write(store: torch.Tensor, pages: torch.Tensor, first: int, values: torch.Tensor) -> None:
     """Writes entries first .. first + len(values) - 1 of a sequence."""
-    index = torch.arange(first, first + values.shape[0])
+    index = torch.arange(first, first + values.shape[0], device=pages.device)
     per_page = store.shape[1]
     store[pages[index // per_page], index % per_page] = values.to(store.dtype)
 

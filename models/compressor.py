@@ -44,22 +44,22 @@ class WindowPooler(nn.Module):
         rate, p0, p1 = self.rate, chunk.position, chunk.end_position
         first_window, end_window = p0 // rate, p1 // rate  # windows [first, end) close in this chunk
         history_start = max(0, (first_window - (1 if self.overlap else 0)) * rate)
-        kept = torch.arange(history_start, p0) % cache.ring
+        kept = torch.arange(history_start, p0, device=kv.device) % cache.ring
         all_kv = torch.cat([cache.raw_kv[chunk.slot, kept], kv])  # positions [history_start, p1)
         all_gate = torch.cat([cache.raw_gate[chunk.slot, kept], gate])
-        new_rows = torch.arange(max(p0, p1 - cache.ring), p1)
+        new_rows = torch.arange(max(p0, p1 - cache.ring), p1, device=kv.device)
         cache.raw_kv[chunk.slot, new_rows % cache.ring] = kv[new_rows - p0]
         cache.raw_gate[chunk.slot, new_rows % cache.ring] = gate[new_rows - p0]
         if end_window > first_window:
             entries = self._pool(all_kv, all_gate, history_start, first_window, end_window)
-            positions = torch.arange(first_window, end_window) * rate
+            positions = torch.arange(first_window, end_window, device=kv.device) * rate
             cos, sin = rope(positions)
             paged_write(cache.entries, chunk.pages, first_window, apply_rope(entries, cos, sin))
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, offset: int, first: int, end: int) -> torch.Tensor:
         rate, dim = self.rate, self.head_dim
-        windows = torch.arange(first, end)
-        rows = windows[:, None] * rate + torch.arange(rate)[None, :] - offset  # [n, rate]
+        windows = torch.arange(first, end, device=kv.device)
+        rows = windows[:, None] * rate + torch.arange(rate, device=kv.device)[None, :] - offset  # [n, rate]
         bias = self.position_bias
         if not self.overlap:
             slot_kv, slot_gate = kv[rows], gate[rows] + bias
@@ -103,8 +103,8 @@ class Indexer(WindowPooler):
     ) -> torch.Tensor:
         """Boolean [n, entries] mask of the entries each query of the chunk attends to."""
         n_entries = chunk.end_position // self.rate
-        positions = torch.arange(chunk.position, chunk.end_position)
-        visible = torch.arange(n_entries)[None, :] < ((positions + 1) // self.rate)[:, None]
+        positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
+        visible = torch.arange(n_entries, device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
         if n_entries == 0:
             return visible
         q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
@@ -112,7 +112,7 @@ class Indexer(WindowPooler):
         keys = paged_read(cache.entries, chunk.pages, n_entries).float()
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         if batch_invariant_active():  # each query over exactly its visible entries
-            total = torch.full(visible.shape, float("-inf"))
+            total = torch.full(visible.shape, float("-inf"), device=x.device)
             for i, count in enumerate(visible.sum(dim=1).tolist()):
                 if count:
                     per_head = torch.relu(q[i] @ keys[:count].t()) * self.head_dim**-0.5

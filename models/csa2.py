@@ -72,10 +72,10 @@ class SharedCompressor(nn.Module):
         rate, p0, p1 = self.rate, chunk.position, chunk.end_position
         kv = F.linear(x.float(), self.kv_proj.weight.float())
         gate = F.linear(x.float(), self.gate_proj.weight.float())
-        open_rows = torch.arange(first * rate, p0) % rate  # earlier tokens of the group the chunk starts in
+        open_rows = torch.arange(first * rate, p0, device=x.device) % rate  # earlier tokens of the group the chunk starts in
         all_kv = torch.cat([store.raw_kv[chunk.slot, open_rows], kv])  # positions [first * rate, p1)
         all_gate = torch.cat([store.raw_gate[chunk.slot, open_rows], gate])
-        tail = torch.arange(max(p0, end * rate), p1)  # tokens of the group left open after the chunk
+        tail = torch.arange(max(p0, end * rate), p1, device=x.device)  # tokens of the group left open after the chunk
         store.raw_kv[chunk.slot, tail % rate] = kv[tail - p0]
         store.raw_gate[chunk.slot, tail % rate] = gate[tail - p0]
         if end == first:

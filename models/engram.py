@@ -64,7 +64,7 @@ class EngramMemory:
         for chunk in batch.chunks:
             carried = self.hasher.empty_context() if chunk.position == 0 else context[chunk.slot].tolist()
             ids, carried = self.hasher.row_ids(tokens[chunk.rows], None, carried)
-            context[chunk.slot] = torch.tensor(carried, dtype=context.dtype)
+            context[chunk.slot] = torch.tensor(carried, dtype=context.dtype, device=context.device)
             per_chunk.append(torch.from_numpy(ids))
         row_ids = torch.cat(per_chunk)
         self.source.prefetch(row_ids)  # disk tiers start reading while the layers before Engram run

@@ -59,7 +59,7 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
         (written into `out` when the caller owns the buffer)."""
-        batch = batch.with_pages(cache.default_pages)
+        batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         self._check(batch, cache)
         embedded = self.model.embed_tokens(batch.token_ids)
         streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()

@@ -82,7 +82,7 @@ class DeepseekV41(nn.Module):
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
         (written into `out` when the caller owns the buffer). `trace`, when given, records the indexers'
         selections and the Engram row ids (tests, debugging)."""
-        batch = batch.with_pages(cache.default_pages)
+        batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         for chunk in batch.chunks:
             assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
             assert chunk.end_position <= cache.capacity(chunk.pages), f"slot {chunk.slot} would pass its pages"

@@ -120,6 +120,6 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], ToEngine | FromEngine]] = {
     "shutdown": lambda body: Shutdown(),
     "ready": _ready,
     "output": _output,
-    "stats": lambda body: EngineStats(**body),
+    "stats": lambda body: EngineStats(**{**body, "engram_wait_buckets": tuple(body.get("engram_wait_buckets", ()))}),
     "failed": lambda body: EngineFailed(**body),
 }

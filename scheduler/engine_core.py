@@ -24,6 +24,10 @@ class ModelExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+# Upper edges (seconds) of the Engram prefetch-wait histogram that the engine reports.
+PREFETCH_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """Load and cache figures for metrics; read off the loop's thread, so a snapshot, not a barrier."""
@@ -36,6 +40,16 @@ class EngineStats:
     pages_cached: int = 0  # reusable by the prefix cache, evictable
     steps: int = 0
     last_step_tokens: int = 0
+    # Engram row store (V4.1): rows served per tier, disk reads, prefetch waits (cumulative buckets)
+    engram_rows_resident: int = 0
+    engram_rows_device_cache: int = 0
+    engram_rows_host_cache: int = 0
+    engram_rows_disk: int = 0
+    engram_bytes_read: int = 0
+    engram_read_errors: int = 0
+    engram_wait_count: int = 0
+    engram_wait_sum_s: float = 0.0
+    engram_wait_buckets: tuple[int, ...] = ()
 
 
 class EngineCore:
@@ -62,9 +76,12 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        engram_stats = getattr(self.executor, "engram_stats", None)
+        engram = engram_stats() if engram_stats is not None else {}
         return EngineStats(
             running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
             pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
+            **engram,
         )
 
     def submit(self, request: Request) -> None:

@@ -154,3 +154,32 @@ def test_reaping_at_queue_depth_64_over_100k_reads(tmp_path):
         checked += len(pages)
     reader.close()
     assert checked == reader.reads == 100_000
+
+
+def test_store_counters_reach_the_engine_stats_and_metrics(checkpoints, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from scheduler.engine_core import EngineStats
+    from server.metrics import engram_figures
+
+    model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t"))
+    limits = SchedulerLimits(2, 512, 256, model.config.vocab_size, (), block_tokens=16)
+    runner = ModelRunner(model, 2, 256, num_pages=limits.total_pages, block_tokens=16)
+    scheduler = Scheduler(limits)
+    scheduler.add(Request("r", random_tokens(40, seed=9), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+    fields = runner.engram_stats()
+    assert fields["engram_rows_disk"] > 0 and fields["engram_bytes_read"] > 0 and fields["engram_wait_count"] >= 8
+    stats = EngineStats(running=0, waiting=0, **fields)
+
+    class Families:
+        def collect(self):
+            return list(engram_figures(stats, ["tiny", "0"]))
+
+    registry = CollectorRegistry()
+    registry.register(Families())
+    text = generate_latest(registry).decode()
+    assert f'ds4serve:engram_rows_served_total{{engine="0",model_name="tiny",tier="disk"}} {float(fields["engram_rows_disk"])}' in text
+    assert f'ds4serve:engram_prefetch_wait_seconds_count{{engine="0",model_name="tiny"}} {float(fields["engram_wait_count"])}' in text

@@ -23,3 +23,7 @@ class WorkerPool:
         cancel = getattr(self.ranks[0], "cancel", None)
         if cancel is not None:
             cancel(request_id)
+
+    def engram_stats(self) -> dict:
+        stats = getattr(self.ranks[0], "engram_stats", None)
+        return stats() if stats is not None else {}

@@ -82,6 +82,19 @@ class ModelRunner:
                 ids, _ = memory.hasher.row_ids([result.sampled.token_id], None, context)
                 hint(chunk.request_id, torch.from_numpy(ids))
 
+    def engram_stats(self) -> dict:
+        """The Engram store's counters as EngineStats fields (empty without a tiered store)."""
+        stats = getattr(getattr(getattr(self.model, "engram_memory", None), "source", None), "stats", None)
+        if stats is None:
+            return {}
+        return {
+            "engram_rows_resident": stats.rows_resident, "engram_rows_device_cache": stats.rows_device_cache,
+            "engram_rows_host_cache": stats.rows_host_cache, "engram_rows_disk": stats.rows_disk,
+            "engram_bytes_read": stats.bytes_read, "engram_read_errors": stats.read_errors,
+            "engram_wait_count": stats.wait_count, "engram_wait_sum_s": stats.wait_sum_s,
+            "engram_wait_buckets": tuple(stats.wait_buckets),
+        }
+
     def cancel(self, request_id: str) -> None:
         """The request was aborted: its pending Engram prefetches are dropped."""
         memory = getattr(self.model, "engram_memory", None)

@@ -1,0 +1,88 @@
+"""On the lent GPU (`pytest -m gpu`): the CUDA forward against the CPU reference, Engram tiers on the
+device, and no new device allocations after warm-up. CPU CI skips these."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engram_store.store import EngramOptions
+from models import ForwardBatch, ModelCache, load_model
+from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from tests.conftest import random_tokens
+from tests.test_v41_golden import GOLDEN
+from worker import ModelRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def forward(model, sequences):
+    cache = ModelCache.allocate(model.config, len(sequences), 256, device=model.lm_head.weight.device)
+    return model(ForwardBatch.build([(i, s, 0) for i, s in enumerate(sequences)], logits="all"), cache).cpu()
+
+
+@pytest.mark.parametrize("name", ["mixed", "v41", "v41_variant"])
+def test_cuda_forward_matches_the_cpu_reference(checkpoints, name):
+    prompts = [random_tokens(70, seed=1), random_tokens(33, seed=2)]
+    cpu = forward(load_model(checkpoints[name], simulate_quantization=False), prompts)
+    gpu = forward(load_model(checkpoints[name], device="cuda", simulate_quantization=False), prompts)
+    torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not GOLDEN.exists(), reason="golden data absent")
+def test_golden_v41_greedy_tokens_on_cuda():
+    model = load_model(GOLDEN, device="cuda")
+    inputs = json.loads((GOLDEN / "golden_inputs_and_generation.json").read_text())
+    for name in ("seq0", "seq1", "seq2"):
+        sequence = inputs["sequences"][name]
+        ids = sequence["input_ids"]
+        cache = ModelCache.allocate(model.config, 1, 128, device="cuda")
+        logits = model(ForwardBatch.build([(0, ids, 0)]), cache)
+        tokens = []
+        for step in range(12):
+            tokens.append(int(logits[0].argmax()))
+            logits = model(ForwardBatch.build([(0, [tokens[-1]], len(ids) + step)]), cache)
+        assert tokens == sequence["greedy_new_tokens"], name
+
+
+def test_engram_tiers_agree_on_cuda(checkpoints, tmp_path):
+    prompts = [random_tokens(50, seed=3), random_tokens(50, seed=3)]
+    reference = forward(load_model(checkpoints["v41"], device="cuda", engram=EngramOptions(residency="gpu")), prompts)
+    for options in (EngramOptions(residency="host"),
+                    EngramOptions(residency="disk", path=tmp_path / "t", host_cache_bytes=1 << 14, gpu_cache_bytes=1 << 13)):
+        model = load_model(checkpoints["v41"], device="cuda", engram=options)
+        assert torch.equal(forward(model, prompts), reference)
+        assert torch.equal(forward(model, prompts), reference)  # warm caches
+
+
+def test_decode_makes_no_new_device_allocations(checkpoints):
+    model = load_model(checkpoints["v41"], device="cuda")
+    limits = SchedulerLimits(4, 64, 600, model.config.vocab_size, (), block_tokens=16)
+    runner = ModelRunner(model, 4, 600, device="cuda", num_pages=limits.total_pages, block_tokens=16, max_logit_rows=64)
+    scheduler = Scheduler(limits)
+    for i in range(4):
+        scheduler.add(Request(f"r{i}", random_tokens(20, seed=i), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)))
+
+    def step():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    for _ in range(300):
+        step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    assert after["segment.all.allocated"] == before["segment.all.allocated"]  # no new cudaMalloc
