@@ -44,6 +44,10 @@ class RowCache:
         self.misses += len(rows) - int(hit.sum())
         return hit, np.asarray(slots, dtype=np.int64)
 
+    def absent(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of the rows not cached; no promotion and no hit counting (prefetch hints use it)."""
+        return np.fromiter((r not in self.protected and r not in self.probation for r in rows.tolist()), bool, len(rows))
+
     def _touch(self, row: int) -> int | None:
         if row in self.protected:
             self.protected.move_to_end(row)

@@ -94,40 +94,46 @@ class DiskLayer:
                  resident_scales: torch.Tensor | None, device: str) -> None:
         self.header, self.file_index, self.device = header, file_index, device
         self.host_cache, self.device_cache = host_cache, device_cache
+        self.lock = threading.Lock()  # the caches are shared by the model's thread and the I/O thread
         self.resident_scales = resident_scales  # [rows, scale bytes] when the file keeps scales apart
 
-    def fetch(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
-        """Raw row bytes [len(rows), row_bytes] for distinct rows, and why each unusable row failed.
-        Runs on the I/O thread (the only thread that touches the caches)."""
+    def cached(self, rows: np.ndarray, stats: StoreStats) -> tuple[torch.Tensor, np.ndarray]:
+        """Raw bytes [len(rows), row_bytes] of the distinct `rows` the caches hold, and the mask of the
+        ones they do not. Cheap: the model's thread calls it, so cache hits never wait on the I/O thread."""
+        raw = torch.zeros(len(rows), self.header.row_bytes, dtype=torch.uint8)
+        missing = np.ones(len(rows), dtype=bool)
+        with self.lock:
+            for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
+                if cache is None or not missing.any():
+                    continue
+                wanted = np.flatnonzero(missing)
+                hit, slots = cache.lookup(rows[wanted])
+                raw[wanted[hit]] = cache.storage[torch.from_numpy(slots)].cpu()
+                missing[wanted[hit]] = False
+                setattr(stats, counter, getattr(stats, counter) + int(hit.sum()))
+        return raw, missing
+
+    def read(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
+        """Reads distinct `rows` from the file (on the I/O thread), caches the good ones, and says why
+        each unusable row failed."""
         h = self.header
         raw = torch.zeros(len(rows), h.row_bytes, dtype=torch.uint8)
-        missing = np.ones(len(rows), dtype=bool)
-        for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
-            if cache is None or not missing.any():
-                continue
-            wanted = np.flatnonzero(missing)
-            hit, slots = cache.lookup(rows[wanted])
-            raw[wanted[hit]] = cache.storage[torch.from_numpy(slots)].cpu()
-            missing[wanted[hit]] = False
-            setattr(stats, counter, getattr(stats, counter) + int(hit.sum()))
+        pages, offsets = h.page_of(rows)
+        keys = sorted({(self.file_index, int(p)) for p in pages})
+        got, bad = reader.read_pages(keys, lambda key, page: check_page(page, key[1], h.table_id))
         failed: dict[int, str] = {}
-        if missing.any():
-            wanted = np.flatnonzero(missing)
-            pages, offsets = h.page_of(rows[wanted])
-            keys = sorted({(self.file_index, int(p)) for p in pages})
-            got, bad = reader.read_pages(keys, lambda key, page: check_page(page, key[1], h.table_id))
-            loaded = []
-            for i, page, offset in zip(wanted.tolist(), pages.tolist(), offsets.tolist()):
-                key = (self.file_index, page)
-                if key in got:
-                    raw[i] = torch.frombuffer(bytearray(got[key][offset : offset + h.row_bytes]), dtype=torch.uint8)
-                    loaded.append(i)
-                else:
-                    failed[int(rows[i])] = f"Engram layer {h.layer_id} row {int(rows[i])} (page {page}): {bad[key]}"
-            stats.rows_disk += len(loaded)
-            stats.bytes_read = reader.bytes_read
-            stats.read_errors = reader.errors
-            if loaded:
+        loaded = []
+        for i, (page, offset) in enumerate(zip(pages.tolist(), offsets.tolist())):
+            key = (self.file_index, page)
+            if key in got:
+                raw[i] = torch.frombuffer(bytearray(got[key][offset : offset + h.row_bytes]), dtype=torch.uint8)
+                loaded.append(i)
+            else:
+                failed[int(rows[i])] = f"Engram layer {h.layer_id} row {int(rows[i])} (page {page}): {bad[key]}"
+        stats.rows_disk += len(loaded)
+        stats.bytes_read, stats.read_errors = reader.bytes_read, reader.errors
+        if loaded:
+            with self.lock:
                 self.host_cache.insert(rows[loaded].tolist(), raw[loaded])
                 if self.device_cache is not None:
                     self.device_cache.insert(rows[loaded].tolist(), raw[loaded].to(self.device_cache.storage.device))
@@ -163,13 +169,17 @@ class EngramStore:
 
     # -- the model's side ------------------------------------------------------------------------
     def prefetch(self, row_ids: torch.Tensor) -> None:
-        """row_ids [T, engram layers, columns] of the step about to run; starts the disk layers' reads."""
+        """row_ids [T, engram layers, columns] of the step about to run: serves cache hits now and
+        starts the disk layers' reads of the rest."""
         self._failed = {}
-        self._pending = {}
-        for index, layer in enumerate(self.layers):
-            if isinstance(layer, DiskLayer):
-                unique = np.unique(row_ids[:, index].numpy())
-                self._pending[index] = (unique, self._submit(priority=0, layer=index, rows=unique))
+        self._pending = {index: self._start(index, row_ids[:, index]) for index, layer in enumerate(self.layers)
+                         if isinstance(layer, DiskLayer)}
+
+    def _start(self, index: int, row_ids: torch.Tensor) -> tuple:
+        unique = np.unique(row_ids.numpy())
+        raw, missing = self.layers[index].cached(unique, self.stats)
+        future = self._submit(priority=0, layer=index, rows=unique[missing]) if missing.any() else None
+        return unique, raw, missing, future
 
     def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
         """[T, columns, row_dim] float32 rows on the compute device; waits for this layer's reads."""
@@ -178,12 +188,13 @@ class EngramStore:
             self.stats.rows_resident += row_ids.numel()
             return layer.rows(row_ids)
         ids = row_ids.numpy()
-        unique, future = self._pending.pop(layer_index, (None, None))
-        if future is None:
-            unique = np.unique(ids)
-            future = self._submit(priority=0, layer=layer_index, rows=unique)
+        pending = self._pending.pop(layer_index, None) or self._start(layer_index, row_ids)
+        unique, raw, missing, future = pending
+        failed: dict[int, str] = {}
         started = time.perf_counter()
-        raw, failed = future.result()
+        if future is not None:
+            read_raw, failed = future.result()
+            raw[torch.from_numpy(missing)] = read_raw
         self.stats.record_wait(time.perf_counter() - started)
         index = np.searchsorted(unique, ids.reshape(-1))
         rows = layer.decode(raw[torch.from_numpy(index)], torch.from_numpy(ids.reshape(-1)))
@@ -240,7 +251,11 @@ class EngramStore:
             if self._jobs.empty():
                 self._cancelled.clear()  # every hint queued before those aborts has been seen
             try:
-                future.set_result(self.layers[layer].fetch(rows, self.reader, self.stats))
+                disk_layer = self.layers[layer]
+                if request_id is not None:  # a hint: only what the host cache lacks
+                    with disk_layer.lock:
+                        rows = rows[disk_layer.host_cache.absent(rows)]
+                future.set_result(disk_layer.read(rows, self.reader, self.stats))
             except Exception as exc:  # a failure here must not kill the thread the model waits on
                 log.exception("Engram fetch failed")
                 failed = {int(r): f"Engram layer {layer}: {type(exc).__name__}: {exc}" for r in rows.tolist()}

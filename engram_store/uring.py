@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ import liburing
 
 from engram_store.format import PAGE
 
+POLL_S = 20e-6
 PageKey = tuple[int, int]  # (file index, page number)
 Verifier = Callable[[PageKey, memoryview], "str | None"]
 
@@ -80,12 +82,16 @@ class UringPageReader:
         return pages, failed
 
     def _reap(self) -> list[tuple[int, int]]:
-        """Waits for one completion, then takes every other ready one, one CQE at a time: the head CQE
+        """Waits for one completion (polling: the binding's blocking wait keeps the GIL, which would
+        stall the model's thread for the whole read), then takes every other ready one, one CQE at a time: the head CQE
         is re-read after each `seen`, because indexing past it would run off the end of the
         circular completion queue (the batch-indexing failure the reference notes)."""
-        status = liburing.io_uring_wait_cqe(self.ring, self.cqes)
+        status = liburing.io_uring_peek_cqe(self.ring, self.cqes)
+        while status == -errno.EAGAIN:  # the binding's wait holds the GIL; poll so the model thread runs
+            time.sleep(POLL_S)
+            status = liburing.io_uring_peek_cqe(self.ring, self.cqes)
         if status < 0:
-            raise OSError(-status, f"io_uring_wait_cqe: {os.strerror(-status)}")
+            raise OSError(-status, f"io_uring_peek_cqe: {os.strerror(-status)}")
         completed = []
         while status == 0:
             completed.append((self.cqes.user_data, self.cqes.res))
