@@ -220,39 +220,40 @@ class EngramStore:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- the scheduler's side --------------------------------------------------------------------
-    def hint(self, request_id: str, row_ids: torch.Tensor) -> None:
-        """Warms the caches for rows a request will need next ([engram layers, columns] or [T, L, C])."""
-        ids = row_ids.reshape(-1, row_ids.shape[-2], row_ids.shape[-1])
+    def hint(self, request_ids: list[str], row_ids: torch.Tensor) -> None:
+        """Warms the host cache for rows that requests will need next (row_ids [T, L, C]); skipped if
+        every one of `request_ids` was aborted before the I/O thread gets to it."""
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DiskLayer):
-                self._submit(priority=1, layer=index, rows=np.unique(ids[:, index].numpy()), request_id=request_id)
+                self._submit(priority=1, layer=index, rows=np.unique(row_ids[:, index].numpy()),
+                             request_ids=tuple(request_ids))
 
     def cancel(self, request_id: str) -> None:
         """Drops the request's hints that have not been read yet."""
         self._cancelled.add(request_id)
 
     # -- the I/O thread --------------------------------------------------------------------------
-    def _submit(self, priority: int, layer: int, rows: np.ndarray, request_id: str | None = None) -> Future:
+    def _submit(self, priority: int, layer: int, rows: np.ndarray, request_ids: tuple[str, ...] = ()) -> Future:
         future: Future = Future()
         if self._thread is None:
             raise RuntimeError("disk-resident Engram layers need the I/O thread")
         self._order += 1
-        self._jobs.put((priority, self._order, layer, rows, request_id, future))
+        self._jobs.put((priority, self._order, layer, rows, request_ids, future))
         return future
 
     def _serve(self) -> None:
         while True:
-            priority, _, layer, rows, request_id, future = self._jobs.get()
+            priority, _, layer, rows, request_ids, future = self._jobs.get()
             if layer is None:
                 return
-            if request_id is not None and request_id in self._cancelled:
+            if request_ids and all(r in self._cancelled for r in request_ids):
                 future.cancel()
                 continue
             if self._jobs.empty():
                 self._cancelled.clear()  # every hint queued before those aborts has been seen
             try:
                 disk_layer = self.layers[layer]
-                if request_id is not None:  # a hint: only what the host cache lacks
+                if request_ids:  # a hint: only what the host cache lacks
                     with disk_layer.lock:
                         rows = rows[disk_layer.host_cache.absent(rows)]
                 future.set_result(disk_layer.read(rows, self.reader, self.stats))
@@ -263,7 +264,7 @@ class EngramStore:
 
     def close(self) -> None:
         if self._thread is not None:
-            self._jobs.put((-1, 0, None, None, None, None))
+            self._jobs.put((-1, 0, None, None, (), None))
             self._thread.join(5)
             self._thread = None
         if self.reader is not None:

@@ -183,3 +183,19 @@ def test_store_counters_reach_the_engine_stats_and_metrics(checkpoints, tmp_path
     text = generate_latest(registry).decode()
     assert f'ds4serve:engram_rows_served_total{{engine="0",model_name="tiny",tier="disk"}} {float(fields["engram_rows_disk"])}' in text
     assert f'ds4serve:engram_prefetch_wait_seconds_count{{engine="0",model_name="tiny"}} {float(fields["engram_wait_count"])}' in text
+
+
+def test_hints_warm_the_cache_and_aborted_requests_drop_theirs(checkpoints, tmp_path):
+    model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t", host_cache_bytes=1 << 20))
+    memory = model.engram_memory
+    store = memory.source
+    ids, _ = memory.hasher.row_ids(random_tokens(12, seed=4), None, memory.hasher.empty_context())
+    ids = torch.from_numpy(ids)
+    store.cancel("gone")
+    store.hint(["gone"], ids)
+    store.hint(["kept"], ids[:6])
+    store._submit(priority=2, layer=0, rows=np.array([], dtype=np.int64)).result()  # the queue has drained
+    reads = store.reader.reads
+    assert 0 < reads <= 12 * 2  # only the kept request's rows were read
+    layer = store.layers[0]
+    assert not layer.host_cache.absent(np.unique(ids[:6, 0].numpy())).any()

@@ -76,11 +76,15 @@ class ModelRunner:
         hint = getattr(getattr(memory, "source", None), "hint", None)
         if hint is None:
             return
+        request_ids, row_ids = [], []
         for chunk, result in zip(plan.chunks, results):
             if result.sampled is not None:
                 context = self.cache.engram_context[chunk.slot].tolist()
                 ids, _ = memory.hasher.row_ids([result.sampled.token_id], None, context)
-                hint(chunk.request_id, torch.from_numpy(ids))
+                request_ids.append(chunk.request_id)
+                row_ids.append(torch.from_numpy(ids))
+        if row_ids:  # one hint for the whole step: the I/O thread wakes once
+            hint(request_ids, torch.cat(row_ids))
 
     def engram_stats(self) -> dict:
         """The Engram store's counters as EngineStats fields (empty without a tiered store)."""

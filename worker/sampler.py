@@ -85,7 +85,7 @@ def sample(
     else:
         generator = torch.Generator(device=logits.device)
         if params.seed is not None:
-            generator.manual_seed(params.seed * 1_000_003 + draw_index)
+            generator.manual_seed((params.seed * 1_000_003 + draw_index) % (1 << 63))  # any seed fits the generator
         else:
             generator.seed()
         probs = _filtered(adjusted, params).softmax(-1)
