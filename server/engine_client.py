@@ -9,7 +9,7 @@ output and new ones are refused.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from scheduler.engine_core import EngineStats
@@ -30,6 +30,16 @@ class EngineHandle(Protocol):
         """Raises RequestRejected for a request the engine would refuse."""
 
 
+class RequestObserver:
+    """Watches one request through generate() (metrics hang off this); the base class does nothing."""
+
+    def output(self, output: RequestOutput) -> None:
+        """Each output, as it is handed to the caller."""
+
+    def ended(self, finished: bool) -> None:
+        """Once, last; finished is False when the caller left before the finished output (an abort)."""
+
+
 class EngineClient:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -37,6 +47,7 @@ class EngineClient:
         self._engine: EngineHandle | None = None
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
+        self.observe: Callable[[Request], RequestObserver] = lambda _: RequestObserver()
 
     def connect(self, engine: EngineHandle) -> None:
         self._engine = engine
@@ -83,15 +94,17 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._engine.submit(request)  # raises RequestRejected before anything is queued or observed
         self._queues[request.request_id] = queue
-        finished = False
+        observer, finished = self.observe(request), False
         try:
-            self._engine.submit(request)  # raises RequestRejected before anything is queued
             while not finished:
                 output = await queue.get()
                 finished = output.finished
+                observer.output(output)
                 yield output
         finally:
             self._queues.pop(request.request_id, None)
             if not finished:
                 self._engine.abort(request.request_id)
+            observer.ended(finished)

@@ -1,0 +1,241 @@
+"""Prometheus metrics at GET /metrics, under `ds4serve:` and, for tools written for vLLM, `vllm:`.
+
+The vLLM names, labels (`model_name`, `engine`) and buckets are those of vLLM's V1 Prometheus logger,
+so its dashboards and benchmark clients read this server unchanged. Engine figures (requests, pages,
+preemptions) are read from the engine's latest stats at scrape time; per-request figures (latencies,
+tokens, finish reasons) are recorded as EngineClient.generate hands outputs to the HTTP code. Each app
+gets its own registry, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler.engine_core import PREFETCH_WAIT_BUCKETS, EngineStats
+from scheduler.request import Request, RequestOutput
+from server.engine_client import EngineClient, RequestObserver
+
+LABELS = ("model_name", "engine")
+ENGINE = "0"  # one engine per server; the label is kept so vLLM's queries match
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class MetricsSetup:
+    model_name: str
+    max_model_len: int  # the top of the token-count buckets
+    block_size: int  # tokens per KV page (scheduler.block_tokens)
+    vllm_compat: bool = True
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return ("ds4serve", "vllm") if self.vllm_compat else ("ds4serve",)
+
+
+def install_metrics(app: FastAPI, engine: EngineClient, setup: MetricsSetup) -> None:
+    """Adds GET /metrics (left open by the auth middleware) and starts recording every request."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, setup))
+    metrics = RequestMetrics(registry, setup)
+    engine.observe = lambda request: RequestTrace(metrics, request)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """vLLM's 1-2-5 series up to max_value: 1, 2, 5, 10, 20, 50, ..."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class Fanout:
+    """One figure recorded under every prefix at once (children: bound prometheus-client metrics)."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+
+class RequestMetrics:
+    """Per-request counters and histograms; thread-safe (prometheus-client locks each child)."""
+
+    def __init__(self, registry: CollectorRegistry, setup: MetricsSetup) -> None:
+        self.setup, self.registry = setup, registry
+        tokens = token_buckets(setup.max_model_len)
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
+        success = [
+            Counter(f"{p}:request_success", "Count of successfully processed requests.", [*LABELS, "finished_reason"],
+                    registry=registry)
+            for p in setup.prefixes
+        ]
+        self.success = {r: Fanout([c.labels(setup.model_name, ENGINE, r) for c in success]) for r in FINISH_REASONS}
+        self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                    TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                   ITL_BUCKETS)
+        if setup.vllm_compat:  # vLLM's older name for the same figure, still queried by older dashboards
+            self.itl = Fanout(self.itl.children + self._histogram(
+                "time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS,
+                ("vllm",)).children)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                                     tokens)
+        self.request_generation_tokens = self._histogram("request_generation_tokens",
+                                                         "Number of generation tokens processed.", tokens)
+
+    def _counter(self, name: str, doc: str) -> Fanout:
+        return Fanout([
+            Counter(f"{p}:{name}", doc, LABELS, registry=self.registry).labels(self.setup.model_name, ENGINE)
+            for p in self.setup.prefixes
+        ])
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float], prefixes: tuple[str, ...] = ()) -> Fanout:
+        """Under `prefixes`, or under every prefix when none is named."""
+        return Fanout([
+            Histogram(f"{p}:{name}", doc, LABELS, registry=self.registry, buckets=buckets)
+            .labels(self.setup.model_name, ENGINE)
+            for p in prefixes or self.setup.prefixes
+        ])
+
+
+class RequestTrace(RequestObserver):
+    """One request's timing: TTFT from the start of generate() to the first output carrying tokens,
+    inter-token latency between later such outputs (one per engine step, as vLLM counts it), e2e at the
+    end. A caller that leaves early (client gone, stop string cut in the front end) ends it as "abort"."""
+
+    def __init__(self, metrics: RequestMetrics, request: Request) -> None:
+        self.metrics, self.num_prompt_tokens = metrics, len(request.prompt_token_ids)
+        self.started = time.monotonic()
+        self.last_token_at: float | None = None
+        self.num_tokens = 0
+        self.finish_reason = "abort"
+
+    def output(self, output: RequestOutput) -> None:
+        if output.new_token_ids:
+            now = time.monotonic()
+            if self.last_token_at is None:
+                self.metrics.ttft.observe(now - self.started)
+                self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            else:
+                self.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.num_tokens += len(output.new_token_ids)
+            self.metrics.generation_tokens.inc(len(output.new_token_ids))
+        if output.finished:
+            self.finish_reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "error"
+
+    def ended(self, finished: bool) -> None:
+        metrics = self.metrics
+        metrics.success["abort" if not finished else self.finish_reason].inc()
+        metrics.e2e.observe(time.monotonic() - self.started)
+        metrics.request_prompt_tokens.observe(self.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(self.num_tokens)
+
+
+class EngineCollector(Collector):
+    """The engine's latest stats, read at scrape time (the engine reports about once a second)."""
+
+    def __init__(self, engine: EngineClient, setup: MetricsSetup) -> None:
+        self.engine, self.setup = engine, setup
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats or EngineStats(running=0, waiting=0)
+        labels = [self.setup.model_name, ENGINE]
+        for prefix in self.setup.prefixes:
+            for kind, name, doc, value in engine_figures(prefix, stats):
+                family = kind(f"{prefix}:{name}", doc, labels=LABELS)
+                family.add_metric(labels, value)
+                yield family
+            if self.engine.stats is not None:  # the page count is known once the engine reported
+                yield self._cache_config(prefix, stats)
+        yield from engram_figures(stats, labels)
+
+    def _cache_config(self, prefix: str, stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's info-style gauge (always 1): the page size and count ride in its labels."""
+        info = {"block_size": str(self.setup.block_size), "num_gpu_blocks": str(stats.pages_total), "engine": ENGINE}
+        family = GaugeMetricFamily(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=list(info))
+        family.add_metric(list(info.values()), 1)
+        return family
+
+
+Figure = tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, float]
+
+
+def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
+    """(kind, name, help, value) of each engine-wide figure; counters are the engine's own totals."""
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    figures: list[Figure] = [
+        (gauge, "num_requests_running", "Number of requests in model execution batches.", stats.running),
+        (gauge, "num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting),
+        (gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)),
+        (counter, "num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions),
+        # in tokens; 0 until the engine has a prefix cache and EngineStats carries its figures
+        (counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", 0),
+        (counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", 0),
+    ]
+    if prefix == "ds4serve":
+        figures += [
+            (gauge, "kv_pages_held", "KV pages held by running requests.", stats.pages_held),
+            (gauge, "kv_pages_cached", "Free KV pages whose contents a cache may still reuse.", stats.pages_cached),
+            (gauge, "kv_pages_total", "KV pages in the pool.", stats.pages_total),
+        ]
+    else:  # vLLM's name before 0.9, still read by older dashboards
+        figures.append((gauge, "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)))
+    return figures
+
+
+def engram_figures(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """The Engram row store (V4.1): rows served per tier, disk traffic, and prefetch waits."""
+    rows = CounterMetricFamily("ds4serve:engram_rows_served", "Engram rows served, by the tier that served them.",
+                               labels=[*LABELS, "tier"])
+    for tier, value in (("resident", stats.engram_rows_resident), ("device_cache", stats.engram_rows_device_cache),
+                        ("host_cache", stats.engram_rows_host_cache), ("disk", stats.engram_rows_disk)):
+        rows.add_metric([*labels, tier], value)
+    yield rows
+    for name, doc, value in (("engram_bytes_read", "Bytes read from Engram table files.", stats.engram_bytes_read),
+                             ("engram_read_errors", "Engram page reads that failed twice or did not verify.",
+                              stats.engram_read_errors)):
+        family = CounterMetricFamily(f"ds4serve:{name}", doc, labels=LABELS)
+        family.add_metric(labels, value)
+        yield family
+    waits = HistogramMetricFamily("ds4serve:engram_prefetch_wait_seconds",
+                                  "How long an Engram layer waited for its rows.", labels=LABELS)
+    buckets = [(str(edge), count) for edge, count in zip(PREFETCH_WAIT_BUCKETS, stats.engram_wait_buckets)]
+    waits.add_metric(labels, buckets + [("+Inf", stats.engram_wait_count)], stats.engram_wait_sum_s)
+    yield waits
+
+
+def kv_usage(stats: EngineStats) -> float:
+    """Held pages over all pages, as vLLM counts it: cached (evictable) pages count as free."""
+    return stats.pages_held / stats.pages_total if stats.pages_total else 0.0
