@@ -4,6 +4,10 @@
 
 Without --model (and no model.path in the YAML) it serves the embedded tiny default, building it
 first if absent.
+
+SIGTERM or SIGINT drains: /health and /ready turn 503 at once, new completions get 503, in-flight
+ones get `server.drain_timeout_s` to finish (streams still running then end with an error frame and
+[DONE]), then uvicorn shuts down and the process exits 0. A second signal skips the rest of the drain.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import logging
 import sys
 
 from server.config import FLAG_KEYS, ConfigFileError, load_config
+
+SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from server.draining import DrainingServer
     from server.launch import build_server
 
     try:
@@ -51,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigFileError, FileNotFoundError, ValueError) as exc:
         print(f"cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower())
+    server_config = uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    DrainingServer(server_config, app.state.lifecycle).run()
     return 0
 
 

@@ -1,28 +1,50 @@
 """The HTTP application: OpenAI-compatible routes over an EngineClient.
 
-Client mistakes become HTTP 4xx with an OpenAI-style error body; only an engine fault is a 5xx.
+Routes: /v1/models, /v1/completions, /tokenize, /detokenize, /version (these need the bearer key when
+keys are set), /health and /ready (always open). Client mistakes become HTTP 4xx with an OpenAI error
+body (server/http_errors.py); only engine faults are 5xx. The edge middleware (server/http_edge.py)
+adds request ids, keys and the body limit; server/lifecycle.py holds the queue bound and the drain,
+and lives at `app.state.lifecycle` for the CLI's SIGTERM handler.
+
+A completion's engine requests are aborted whenever its client leaves: a stream when its response
+ends early, a non-streaming call when the server sees the disconnect while it waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from scheduler.scheduler import RequestRejected
-from server.completions import ClientError, build_requests, create_completion, stream_completion
-from server.engine_client import EngineClient, EngineDeadError
-from server.protocol import CompletionRequest, ModelCard, ModelList, error_body
+from server.completions import ServerShuttingDown, build_requests, create_completion, stream_completion
+from server.config import ServerSection
+from server.engine_client import EngineClient
+from server.http_edge import BearerKeys, BodyLimit, RequestIds
+from server.http_errors import ClientGone, UnknownModel, error_response, install_error_handlers
+from server.lifecycle import Admission, Lifecycle
+from server.protocol import (
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.tokenize_api import ChatRenderer, detokenize, tokenize
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger("ds4serve.server")
 VERSION = "0.1.0"
-OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+DEFAULT_SETTINGS = ServerSection()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,45 +52,89 @@ class ServedModel:
     name: str
     root: str
     max_model_len: int
+    max_num_seqs: int = 1  # sequences the engine runs at once; admitted requests beyond them wait
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, kind, param), status_code=status)
+class HeldStream(StreamingResponse):
+    """An SSE response that, however it ends, closes its frames at once (so the engine requests of a
+    client that left are aborted now, not when the generator is collected) and frees its queue places."""
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], admission: Admission) -> None:
+        super().__init__(frames, media_type="text/event-stream")
+        self._frames, self._admission = frames, admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._frames.aclose()
+            self._admission.release()
 
 
-def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedModel, api_keys: tuple[str, ...] = ()) -> FastAPI:
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client disconnects (the body was read already, so that is all receive says)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_cut_off(work: Awaitable[T], request: Request, expired: asyncio.Event) -> T:
+    """`work`'s result; cancelled (which aborts its engine requests) if the client leaves first
+    (ClientGone) or the drain times out (ServerShuttingDown)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    cut = asyncio.ensure_future(expired.wait())
+    try:
+        await asyncio.wait((task, gone, cut), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (task, gone, cut):
+            waiter.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    if cut.done() and not cut.cancelled():
+        raise ServerShuttingDown("the server is shutting down; the request was cut off")
+    log.info("client left before its completion %s was ready; aborted", request.state.request_id)
+    raise ClientGone("client closed the request")
+
+
+def create_app(
+    engine: EngineClient, tokenizer: TextTokenizer, model: ServedModel, api_keys: tuple[str, ...] = (), *,
+    settings: ServerSection = DEFAULT_SETTINGS, render_chat: ChatRenderer | None = None,
+) -> FastAPI:
+    """`render_chat` turns a body with `messages` into prompt text (the chat template); without it,
+    /tokenize refuses messages."""
     app = FastAPI(title="ds4serve", version=VERSION)
+    lifecycle = Lifecycle(model.max_num_seqs, settings.max_waiting, settings.drain_timeout_s)
+    app.state.lifecycle = lifecycle
+    install_error_handlers(app)
+    # added innermost first: the request id wraps everything, so every response carries it
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerKeys, keys=api_keys, open_paths=OPEN_PATHS)
+    app.add_middleware(RequestIds)
 
     @app.on_event("startup")
     async def bind_engine_to_loop() -> None:
         engine.bind_loop(asyncio.get_running_loop())
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_keys and request.url.path not in OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            if not header.startswith("Bearer ") or header[len("Bearer "):] not in api_keys:
-                return _error(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+    def unavailable() -> JSONResponse | None:
+        if engine.dead_reason is not None:
+            return error_response(503, engine.dead_reason, "service_unavailable")
+        if lifecycle.draining:
+            return error_response(503, "the server is shutting down", "service_unavailable")
+        if not engine.ready:
+            return error_response(503, "the engine is starting", "service_unavailable")
+        return None
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _error(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise UnknownModel(name, model.name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.dead_reason is not None:
-            return _error(503, engine.dead_reason, "service_unavailable")
-        if not engine.ready:
-            return _error(503, "engine is starting", "service_unavailable")
-        return JSONResponse({"status": "ok"})
+        return unavailable() or JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        return unavailable() or JSONResponse({"status": "ready"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -78,25 +144,29 @@ def create_app(engine: EngineClient, tokenizer: TextTokenizer, model: ServedMode
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)])
 
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model)
+        return tokenize(body, tokenizer, model.max_model_len, render_chat)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        return detokenize(body, tokenizer)
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        if body.model is not None and body.model != model.name:
-            return _error(404, f"the model {body.model!r} does not exist; this server serves {model.name!r}", "not_found_error", "model")
-        try:
-            response_id, requests = build_requests(body, tokenizer, model.max_model_len)
-            if body.stream:
-                for request in requests:  # refuse before the 200 of a stream is sent
-                    engine.validate(request)
-                frames = stream_completion(body, response_id, requests, engine, tokenizer, model.name)
-                return StreamingResponse(frames, media_type="text/event-stream")
-            response = await create_completion(body, response_id, requests, engine, tokenizer, model.name)
-        except (ClientError, RequestRejected) as exc:
-            return _error(400, str(exc), param=getattr(exc, "param", None))
-        except EngineDeadError as exc:  # not the client's fault, and not transient inside this request
-            return _error(503, f"the engine is not running: {exc}", "service_unavailable")
-        except RuntimeError as exc:
-            log.error("completion failed: %s", exc)
-            return _error(500, str(exc), "internal_server_error")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        response_id, requests = build_requests(body, tokenizer, model.max_model_len, request.state.request_id)
+        for engine_request in requests:  # refuse before anything runs (and before a stream's 200)
+            engine.validate(engine_request)
+        admission = lifecycle.admit(len(requests))
+        if body.stream:
+            frames = stream_completion(body, response_id, requests, engine, tokenizer, model.name, lifecycle.expired)
+            return HeldStream(frames, admission)
+        with admission:
+            work = create_completion(body, response_id, requests, engine, tokenizer, model.name)
+            response = await _unless_cut_off(work, request, lifecycle.expired)
         return JSONResponse(response.model_dump(exclude_none=True))
 
     return app

@@ -1,4 +1,10 @@
-"""POST /v1/completions: prompts in, choices out (legacy OpenAI completions, with vLLM's extras)."""
+"""POST /v1/completions: prompts in, choices out (legacy OpenAI completions, with vLLM's extras).
+
+The response id is `cmpl-<base>`, where the base is the request's x-request-id (or a fresh uuid); the
+engine request ids extend it with a per-call tag, so two calls that reuse an x-request-id never collide
+in the engine. `usage.prompt_tokens_details.cached_tokens` reads `num_cached_tokens` from the engine's
+outputs where they carry it (0 until the prefix cache reports it).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Usage,
+    error_body,
 )
 from server.tokenizer import TextTokenizer
 
@@ -41,6 +48,19 @@ class Generation:
     finish_reason: str | None = None
     error: str | None = None
     text: str | None = None  # the output text cut before a stop string; None: decode token_ids
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended a request with an error (HTTP 500); the server goes on."""
+
+
+class ServerShuttingDown(RuntimeError):
+    """The drain timeout passed with this request still running (HTTP 503)."""
+
+
+def cached_tokens(output: RequestOutput) -> int:
+    return getattr(output, "num_cached_tokens", 0)
 
 
 def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer) -> list[list[int]]:
@@ -77,7 +97,8 @@ def sampling_params(
     body: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int, index: int
 ) -> SamplingParams:
     """Raises ClientError for parameters the engine would not run (ids outside the vocabulary...)."""
-    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, max_model_len - prompt_len)
+    limit = body.output_limit
+    max_tokens = limit if limit is not None else max(1, max_model_len - prompt_len)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -122,6 +143,7 @@ def _absorb(generation: Generation, output: RequestOutput) -> None:
     generation.logprobs.extend(output.new_logprobs)
     if output.prompt_logprobs is not None:
         generation.prompt_logprobs = output.prompt_logprobs
+    generation.cached_tokens = max(generation.cached_tokens, cached_tokens(output))
     if output.finished:
         generation.finish_reason, generation.error = output.finish_reason, output.error
 
@@ -144,16 +166,18 @@ def legacy_logprobs(
     return result
 
 
-def build_requests(body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int) -> tuple[str, list[Request]]:
-    """One engine request per (prompt, n); raises ClientError for a bad prompt."""
+def build_requests(
+    body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int, base_id: str
+) -> tuple[str, list[Request]]:
+    """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt."""
     prompts = prompt_token_lists(body, tokenizer)
-    base_id = uuid.uuid4().hex
+    response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = [
-        Request(f"cmpl-{base_id}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i))
+        Request(f"{response_id}-{tag}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i))
         for p, ids in enumerate(prompts)
         for i in range(body.n)
     ]
-    return f"cmpl-{base_id}", requests
+    return response_id, requests
 
 
 async def create_completion(
@@ -167,17 +191,18 @@ async def create_completion(
     )
     failed = next((g.error for g in generations if g.error), None)
     if failed:
-        raise RuntimeError(failed)
+        raise RequestFailed(failed)
     choices = []
     for index, (request, generation) in enumerate(zip(requests, generations)):
         choices.append(_choice(body, tokenizer, index, request, generation))
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[:: body.n])
     completion_tokens = sum(len(g.token_ids) for g in generations)
+    cached = sum(g.cached_tokens for g in generations[:: body.n])
     return CompletionResponse(
         id=response_id,
         model=model_name,
         choices=choices,
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens),
+        usage=Usage.of(prompt_tokens, completion_tokens, cached),
         prompt_token_ids=(prompts[0] if len(prompts) == 1 else prompts) if body.return_token_ids else None,
     )
 
@@ -243,37 +268,68 @@ def _sse(payload: dict) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def _error_frame(exc: Exception | str) -> bytes:
+    if isinstance(exc, ServerShuttingDown):
+        return _sse(error_body(str(exc), 503, "service_unavailable"))
+    return _sse(error_body(str(exc), 500, "internal_server_error"))
+
+
+@dataclass
+class StreamUsage:
+    """Token counts of a streamed response so far (prompts counted once, not once per choice)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached: dict[int, int] = field(default_factory=dict)  # prompt index -> cached prompt tokens
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.completion_tokens += len(output.new_token_ids)
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), cached_tokens(output))
+
+    def snapshot(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens, sum(self.cached.values()))
+
+
 async def stream_completion(
     body: CompletionRequest, response_id: str, requests: list[Request], engine: EngineClient,
-    tokenizer: TextTokenizer, model_name: str,
+    tokenizer: TextTokenizer, model_name: str, interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE frames for every choice as its tokens arrive, a usage frame if asked, then [DONE].
     A choice that reaches a stop string ends there (finish_reason "stop") and its engine request is
-    aborted. An engine failure mid-stream becomes an error frame before [DONE]."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    aborted. An engine failure mid-stream, or `interrupt` being set (the server's drain timed out),
+    becomes an error frame before [DONE]; the engine requests still open are then aborted."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
         try:
             async for output in engine.generate(request):
                 await queue.put((index, output))
-        except BaseException as exc:  # noqa: BLE001 - reported to the client as an error frame
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an error frame
             await queue.put((index, exc))
 
+    async def watch(event: asyncio.Event) -> None:
+        await event.wait()
+        await queue.put((-1, ServerShuttingDown("the server is shutting down; the request was cut off")))
+
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    if interrupt is not None:
+        tasks.append(asyncio.create_task(watch(interrupt)))
+    options = body.stream_options
     stop = stop_strings(body)
     texts = [IncrementalText(tokenizer, stop) for _ in requests]
-    completion_tokens, open_choices = 0, set(range(len(requests)))
+    usage = StreamUsage(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests[:: body.n]))
+    open_choices, started = set(range(len(requests))), set()
     try:
         while open_choices:
             index, item = await queue.get()
+            if isinstance(item, Exception):
+                yield _error_frame(item)
+                break
             if index not in open_choices:  # what a choice cut at a stop string still had in flight
                 continue
-            if isinstance(item, BaseException):
-                yield _sse({"error": {"message": str(item), "type": "internal_server_error", "code": 500}})
-                break
-            completion_tokens += len(item.new_token_ids)
+            usage.add(index // body.n, item)
             if item.error:
-                yield _sse({"error": {"message": item.error, "type": "internal_server_error", "code": 500}})
+                yield _error_frame(item.error)
                 break
             text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
             if stopped:
@@ -286,15 +342,15 @@ async def stream_completion(
                 text=text,
                 finish_reason=finish_reason,
                 token_ids=list(item.new_token_ids) if body.return_token_ids else None,
+                prompt_token_ids=requests[index].prompt_token_ids if body.return_token_ids and index not in started else None,
             )
-            chunk = CompletionChunk(id=response_id, model=model_name, choices=[choice])
+            started.add(index)
+            chunk = CompletionChunk(id=response_id, model=model_name, choices=[choice],
+                                    usage=usage.snapshot() if options and options.continuous_usage_stats else None)
             yield _sse(chunk.model_dump(exclude_none=True))
         else:
-            if body.stream_options and body.stream_options.include_usage:
-                prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[:: body.n])
-                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
-                yield _sse(CompletionChunk(id=response_id, model=model_name, choices=[], usage=usage).model_dump())
+            if options and options.include_usage:
+                yield _sse(CompletionChunk(id=response_id, model=model_name, choices=[], usage=usage.snapshot()).model_dump())
         yield b"data: [DONE]\n\n"
     finally:
         for task in tasks:

@@ -38,9 +38,12 @@ class ModelSection(Section):
 class ServerSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    api_key_file: str | None = None
+    api_key_file: str | None = None  # bearer keys, one per line (--api-key and DS4SERVE_API_KEY come first)
+    # requests admitted beyond scheduler.max_num_seqs that may wait; past it, 429 with Retry-After
     max_waiting: int = Field(default=1024, gt=0)
+    # after SIGTERM, how long in-flight requests may finish before streams are cut off (error frame)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    max_body_bytes: int = Field(default=32 * 2**20, gt=0)  # larger request bodies get 413
 
 
 class SchedulerSection(Section):
@@ -64,13 +67,18 @@ class RuntimeSection(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+class EngramLayerSection(Section):
+    residency: Literal["gpu", "host", "disk"]
+
+
 class EngramSection(Section):
-    residency: Literal["gpu", "host", "disk"] = "host"
-    path: str | None = None
-    host_cache_gb: float = Field(default=4.0, ge=0)
-    gpu_cache_gb: float = Field(default=0.0, ge=0)
-    queue_depth: int = Field(default=64, gt=0)
-    resident_scales: bool = False
+    residency: Literal["gpu", "host", "disk"] = "host"  # every Engram layer, unless `layers` says otherwise
+    path: str | None = None  # table files for disk residency (default: <model>/engram, converted on first use)
+    host_cache_gb: float = Field(default=4.0, ge=0)  # host row cache in front of disk tables
+    gpu_cache_gb: float = Field(default=0.0, ge=0)  # device row cache in front of the host one
+    queue_depth: int = Field(default=64, gt=0)  # io_uring reads in flight
+    resident_scales: bool = False  # keep only the scales in RAM (tables converted with separate scales)
+    layers: dict[int, EngramLayerSection] = {}  # per-layer overrides, keyed by layer id
 
 
 class MetricsSection(Section):

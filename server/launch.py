@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from server.app import ServedModel, create_app
 from server.config import DEFAULT_MODEL_DIR, ConfigFileError, ServeConfig
 from server.engine_client import EngineClient
+from server.metrics import MetricsSetup, install_metrics
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger("ds4serve.launch")
@@ -41,8 +42,11 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     client = EngineClient()
     engine = EngineProcess(config, client)
     client.connect(engine)
-    served = ServedModel(name=config.served_model_name, root=str(model_dir), max_model_len=engine.ready.max_model_len)
-    app = create_app(client, tokenizer, served, config.api_keys(api_key))
+    limits = engine.ready.limits
+    served = ServedModel(config.served_model_name, str(model_dir), limits.max_model_len, limits.max_num_seqs)
+    app = create_app(client, tokenizer, served, config.api_keys(api_key), settings=config.server)
+    metrics = MetricsSetup(served.name, served.max_model_len, config.scheduler.block_tokens, config.metrics.vllm_compat)
+    install_metrics(app, client, metrics)
     app.router.on_shutdown.append(engine.stop)
     log.info("serving %s (%s, %s) as %r", model_dir, engine.ready.device, engine.ready.dtype, served.name)
     return app

@@ -1,4 +1,9 @@
-"""OpenAI protocol models (the part this server implements), in pydantic."""
+"""OpenAI protocol models (the part this server implements, with vLLM's extras), in pydantic.
+
+Integers that travel to the engine are bounded here: its wire format (orjson) holds 64-bit integers
+only, and a value it cannot encode must be the client's 400, not a 500. Non-finite floats are refused
+for the same reason (JSON has none, but Python's parser accepts `NaN` and `Infinity`).
+"""
 
 from __future__ import annotations
 
@@ -6,26 +11,31 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class CompletionRequest(BaseModel):
     # Unknown fields are tolerated, as OpenAI-compatible servers do: clients send vendor extras.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name; wins over max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
@@ -40,7 +50,23 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
+    # vLLM: isolates this request's prefix-cache entries from requests with another salt (kept for the
+    # prefix cache; nothing reads it before that lands)
+    cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> CompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        """The requested output length (None: up to the context length)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class ErrorInfo(BaseModel):
@@ -70,10 +96,23 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
 
 class CompletionChunk(BaseModel):
@@ -109,6 +148,41 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered by the chat template first).
+    Unknown fields are kept: the chat renderer reads its own options (tools, template kwargs)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template adds BOS)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:

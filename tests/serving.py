@@ -6,10 +6,12 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -23,22 +25,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    base: str  # the base URL
+    process: subprocess.Popen
+    lines: list[str]  # its stdout and stderr so far (a thread keeps reading, so the pipe never fills)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def _collect(stream, lines: list[str]) -> None:
+    lines.extend(stream)  # line by line, as the server writes them
+
+
 @contextmanager
-def running_server(model_dir: Path, served_name: str, *extra_args: str) -> Iterator[str]:
-    """Yields the base URL once /health answers 200; fails the test with the server's output if it exits."""
+def server_process(
+    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """The server once /health answers 200 (`env` adds to the environment); fails the test with the
+    server's output if it exits first. Stopped with SIGTERM after, unless the test stopped it."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
          "--served-model-name", served_name, "--log-level", "warning", *extra_args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    lines: list[str] = []
+    reader = threading.Thread(target=_collect, args=(process.stdout, lines), daemon=True)
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
             if process.poll() is not None:
-                pytest.fail(f"server exited: {process.stdout.read()}")
+                reader.join(5)
+                pytest.fail(f"server exited: {''.join(lines)}")
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
@@ -46,10 +70,19 @@ def running_server(model_dir: Path, served_name: str, *extra_args: str) -> Itera
                 time.sleep(0.3)
         else:
             pytest.fail("server did not become healthy")
-        yield base
+        yield ServerProcess(base, process, lines)
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@contextmanager
+def running_server(
+    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """Yields the base URL of a healthy server (see server_process)."""
+    with server_process(model_dir, served_name, *extra_args, env=env) as server:
+        yield server.base

@@ -1,0 +1,114 @@
+"""Typed errors to HTTP statuses, each with an OpenAI error body `{"error": {message, type, param, code}}`.
+
+| status | raised as |
+| --- | --- |
+| 400 | ClientError, RequestRejected, a body that fails validation or is not JSON / not UTF-8 |
+| 401 | (server/http_edge.py: a missing or wrong key) |
+| 404 | UnknownModel, an unknown route |
+| 413 | (server/http_edge.py: a body over `server.max_body_bytes`) |
+| 429 | QueueFull, with Retry-After |
+| 499 | ClientGone (nobody reads it; nginx's code, for the access log) |
+| 500 | RequestFailed (the engine failed the request) |
+| 503 | Draining, ServerShuttingDown, EngineDeadError |
+
+FastAPI's own 422 with a pydantic dump never reaches a client: a validation error becomes a 400 that
+names the field (`param`) and says what it should be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.scheduler import RequestRejected
+from server.completions import ClientError, RequestFailed, ServerShuttingDown
+from server.engine_client import EngineDeadError
+from server.lifecycle import Draining, QueueFull
+from server.protocol import error_body
+
+
+class UnknownModel(Exception):
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(f"the model {asked!r} does not exist; this server serves {served!r}")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready; its engine requests were aborted."""
+
+
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, kind, param), status_code=status, headers=headers)
+
+
+def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        same = 0
+        while same < min(len(prefix), len(loc)) and prefix[same] == loc[same]:
+            same += 1
+        prefix = prefix[:same]
+    return prefix
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) for the first field that failed. A union field (`prompt`) fails once per
+    member; those are joined into one message about the field, not its members' pydantic tags."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    field = [e for e in errors if tuple(e["loc"][:2]) == tuple(first["loc"][:2])]
+    loc = _common_prefix([tuple(e["loc"]) for e in field]) if len(field) > 1 else tuple(first["loc"])
+    param = ".".join(str(part) for part in (loc[1:] if loc[:1] == ("body",) else loc)) or None
+    reasons = " or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in field))
+    return (f"{param}: {reasons}" if param else reasons), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def handle(exc_type: type[Exception], status: int, kind: str = "invalid_request_error") -> None:
+        async def handler(_: Request, exc: Exception) -> JSONResponse:
+            return error_response(status, str(exc), kind, getattr(exc, "param", None))
+
+        app.add_exception_handler(exc_type, handler)
+
+    handle(ClientError, 400)
+    handle(RequestRejected, 400)
+    handle(UnknownModel, 404, "not_found_error")
+    handle(ClientGone, 499)
+    handle(RequestFailed, 500, "internal_server_error")
+    handle(Draining, 503, "service_unavailable")
+    handle(ServerShuttingDown, 503, "service_unavailable")
+
+    async def engine_dead(_: Request, exc: Exception) -> JSONResponse:  # not the client's fault, not transient
+        return error_response(503, f"the engine is not running: {exc}", "service_unavailable")
+
+    async def queue_full(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, QueueFull)
+        return error_response(429, str(exc), "rate_limit_error", headers={"retry-after": str(exc.retry_after_s)})
+
+    async def invalid_body(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param=param)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}", "not_found_error")
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", explained
+            return error_response(400, f"the body is not valid UTF-8: {exc.__cause__.reason} at byte {exc.__cause__.start}")
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(QueueFull, queue_full)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(StarletteHTTPException, http_error)
