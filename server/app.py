@@ -1,6 +1,6 @@
 """The HTTP application: OpenAI-compatible routes over an EngineClient.
 
-Routes: /v1/models, /v1/completions, /tokenize, /detokenize, /version (these need the bearer key when
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /version (these need the bearer key when
 keys are set), /health and /ready (always open). Client mistakes become HTTP 4xx with an OpenAI error
 body (server/http_errors.py); only engine faults are 5xx. The edge middleware (server/http_edge.py)
 adds request ids, keys and the body limit; server/lifecycle.py holds the queue bound and the drain,
@@ -22,7 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.completions import ServerShuttingDown, build_requests, create_completion, stream_completion
+from server.chat import ChatFormat
+from server.chat_completions import build_chat_call, create_chat_completion, stream_chat_completion
+from server.chat_protocol import ChatCompletionRequest
+from server.completions import build_requests, create_completion, stream_completion
 from server.config import ServerSection
 from server.engine_client import EngineClient
 from server.http_edge import BearerKeys, BodyLimit, RequestIds
@@ -37,7 +40,8 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.tokenize_api import ChatRenderer, detokenize, tokenize
+from server.request_errors import ClientError, ServerShuttingDown
+from server.tokenize_api import detokenize, tokenize
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger("ds4serve.server")
@@ -98,10 +102,10 @@ async def _unless_cut_off(work: Awaitable[T], request: Request, expired: asyncio
 
 def create_app(
     engine: EngineClient, tokenizer: TextTokenizer, model: ServedModel, api_keys: tuple[str, ...] = (), *,
-    settings: ServerSection = DEFAULT_SETTINGS, render_chat: ChatRenderer | None = None,
+    settings: ServerSection = DEFAULT_SETTINGS, chat: ChatFormat | None = None,
 ) -> FastAPI:
-    """`render_chat` turns a body with `messages` into prompt text (the chat template); without it,
-    /tokenize refuses messages."""
+    """`chat` renders messages into prompts and parses chat output; without it, /v1/chat/completions
+    and /tokenize with messages answer 400."""
     app = FastAPI(title="ds4serve", version=VERSION)
     lifecycle = Lifecycle(model.max_num_seqs, settings.max_waiting, settings.drain_timeout_s)
     app.state.lifecycle = lifecycle
@@ -147,7 +151,7 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
-        return tokenize(body, tokenizer, model.max_model_len, render_chat)
+        return tokenize(body, tokenizer, model.max_model_len, chat.render if chat is not None else None)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -166,6 +170,22 @@ def create_app(
             return HeldStream(frames, admission)
         with admission:
             work = create_completion(body, response_id, requests, engine, tokenizer, model.name)
+            response = await _unless_cut_off(work, request, lifecycle.expired)
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if chat is None:
+            raise ClientError("chat is unavailable on this server (no chat format for this model)", "messages")
+        call = build_chat_call(body, chat, tokenizer, model.max_model_len, request.state.request_id)
+        for engine_request in call.requests:  # refuse before anything runs (and before a stream's 200)
+            engine.validate(engine_request)
+        admission = lifecycle.admit(len(call.requests))
+        if body.stream:
+            return HeldStream(stream_chat_completion(call, chat, engine, tokenizer, model.name, lifecycle.expired), admission)
+        with admission:
+            work = create_chat_completion(call, chat, engine, tokenizer, model.name)
             response = await _unless_cut_off(work, request, lifecycle.expired)
         return JSONResponse(response.model_dump(exclude_none=True))
 

@@ -2,7 +2,7 @@
 
 | status | raised as |
 | --- | --- |
-| 400 | ClientError, RequestRejected, a body that fails validation or is not JSON / not UTF-8 |
+| 400 | ClientError, ChatRequestError, RequestRejected, a body that fails validation or is not JSON / not UTF-8 |
 | 401 | (server/http_edge.py: a missing or wrong key) |
 | 404 | UnknownModel, an unknown route |
 | 413 | (server/http_edge.py: a body over `server.max_body_bytes`) |
@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.scheduler import RequestRejected
-from server.completions import ClientError, RequestFailed, ServerShuttingDown
+from server.chat import ChatRequestError
 from server.engine_client import EngineDeadError
 from server.lifecycle import Draining, QueueFull
 from server.protocol import error_body
+from server.request_errors import ClientError, RequestFailed, ServerShuttingDown
 
 
 class UnknownModel(Exception):
@@ -81,6 +82,7 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(exc_type, handler)
 
     handle(ClientError, 400)
+    handle(ChatRequestError, 400)
     handle(RequestRejected, 400)
     handle(UnknownModel, 404, "not_found_error")
     handle(ClientGone, 499)

@@ -12,6 +12,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from server.app import ServedModel, create_app
+from server.chat import ChatFormat
 from server.config import DEFAULT_MODEL_DIR, ConfigFileError, ServeConfig
 from server.engine_client import EngineClient
 from server.metrics import MetricsSetup, install_metrics
@@ -44,7 +45,8 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     client.connect(engine)
     limits = engine.ready.limits
     served = ServedModel(config.served_model_name, str(model_dir), limits.max_model_len, limits.max_num_seqs)
-    app = create_app(client, tokenizer, served, config.api_keys(api_key), settings=config.server)
+    chat = ChatFormat.for_checkpoint(model_dir, model_config.model_type)
+    app = create_app(client, tokenizer, served, config.api_keys(api_key), settings=config.server, chat=chat)
     metrics = MetricsSetup(served.name, served.max_model_len, config.scheduler.block_tokens, config.metrics.vllm_compat)
     install_metrics(app, client, metrics)
     app.router.on_shutdown.append(engine.stop)

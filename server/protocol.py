@@ -22,13 +22,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
-class CompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """What completions and chat completions share: sampling, stop conditions, streaming, extras."""
+
     # Unknown fields are tolerated, as OpenAI-compatible servers do: clients send vendor extras.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name; wins over max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -38,8 +39,6 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
@@ -56,7 +55,7 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> CompletionRequest:
+    def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -67,6 +66,31 @@ class CompletionRequest(BaseModel):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        """Top alternatives to report per sampled token (None: no logprobs)."""
+        raise NotImplementedError
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top alternatives to report per prompt token (None: no prompt logprobs)."""
+        return None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ErrorInfo(BaseModel):

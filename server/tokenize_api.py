@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from server.completions import ClientError
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.request_errors import ClientError
 from server.tokenizer import TextTokenizer
 
 # The request body (messages, add_generation_prompt, tools...) -> the prompt text; raises ValueError

@@ -97,8 +97,8 @@ def test_tokenize_detokenize_round_trip(base):
 
 
 def test_tokenize_refuses_what_it_cannot_do(base):
-    chat = call(base, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, AUTH)
-    assert chat.status_code == 400 and "chat is unavailable" in chat.json()["error"]["message"]
+    chat = call(base, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, AUTH)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     for body in ({}, {"prompt": "x", "messages": []}, {"prompt": 5}):
         assert call(base, "POST", "/tokenize", body, AUTH).status_code == 400, body
     outside = call(base, "POST", "/detokenize", {"tokens": [5, 512]}, AUTH)

@@ -1,0 +1,110 @@
+"""What every streamed endpoint shares: SSE framing, usage so far, and the merged per-choice steps.
+
+`choice_steps` runs one engine request per choice and yields their outputs as they arrive, each with
+its new text (cut at a stop string, held back inside a UTF-8 character); the endpoint only turns
+steps into its own chunk shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from scheduler.request import Request, RequestOutput
+from server.engine_client import EngineClient
+from server.incremental_text import IncrementalText
+from server.protocol import Usage, error_body
+from server.request_errors import RequestFailed, ServerShuttingDown
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def error_frame(exc: Exception) -> bytes:
+    if isinstance(exc, ServerShuttingDown):
+        return sse(error_body(str(exc), 503, "service_unavailable"))
+    return sse(error_body(str(exc), 500, "internal_server_error"))
+
+
+def cached_tokens(output: RequestOutput) -> int:
+    return getattr(output, "num_cached_tokens", 0)
+
+
+@dataclass
+class StreamUsage:
+    """Token counts of a streamed response so far (prompts counted once, not once per choice)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached: dict[int, int] = field(default_factory=dict)  # prompt index -> cached prompt tokens
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.completion_tokens += len(output.new_token_ids)
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), cached_tokens(output))
+
+    def snapshot(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens, sum(self.cached.values()))
+
+
+@dataclass(frozen=True)
+class ChoiceStep:
+    index: int  # the choice (the position of its request)
+    output: RequestOutput
+    text: str  # the new text
+    finish_reason: str | None  # set on the choice's last step ("stop" when cut at a stop string)
+    first: bool  # the choice's first step
+
+
+async def choice_steps(
+    engine: EngineClient, requests: list[Request], texts: list[IncrementalText], usage: StreamUsage,
+    choices_per_prompt: int, interrupt: asyncio.Event | None = None,
+) -> AsyncIterator[ChoiceStep]:
+    """Steps of every choice until all have finished. A choice that reaches a stop string ends there
+    and its engine request is aborted. Raises RequestFailed (the engine failed a request), the
+    engine client's exception, or ServerShuttingDown once `interrupt` is set (the drain timed out);
+    the engine requests still open are then aborted."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, request: Request) -> None:
+        try:
+            async for output in engine.generate(request):
+                await queue.put((index, output))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the stream's consumer
+            await queue.put((index, exc))
+
+    async def watch(event: asyncio.Event) -> None:
+        await event.wait()
+        await queue.put((-1, ServerShuttingDown("the server is shutting down; the request was cut off")))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    if interrupt is not None:
+        tasks.append(asyncio.create_task(watch(interrupt)))
+    open_choices, started = set(range(len(requests))), set()
+    try:
+        while open_choices:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if index not in open_choices:  # what a choice cut at a stop string still had in flight
+                continue
+            usage.add(index // choices_per_prompt, item)
+            if item.error:
+                raise RequestFailed(item.error)
+            text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
+            if stopped:
+                tasks[index].cancel()  # leaving generate() before its last output aborts the request
+            if stopped or item.finished:
+                open_choices.discard(index)
+            finish_reason = "stop" if stopped else item.finish_reason if item.finished else None
+            yield ChoiceStep(index, item, text, finish_reason, index not in started)
+            started.add(index)
+    finally:
+        for task in tasks:
+            task.cancel()
