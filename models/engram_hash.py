@@ -155,8 +155,20 @@ class NgramHasher:
     def row_ids(self, token_ids: list[int], live: list[bool] | None, context: list[int]) -> tuple[np.ndarray, list[int]]:
         """[T, L, cols] row ids inside each layer's table (offsets included); and the carried context."""
         tokens, carried = self.ngram_tokens(token_ids, live, context)
+        return self._hash(tokens), carried
+
+    def next_row_ids(self, token_ids: np.ndarray, contexts: np.ndarray) -> np.ndarray:
+        """Row ids [N, L, cols] of one next token for each of N sequences, given their carried contexts
+        [N, N-1] (oldest first): one vectorised call for a decode step's sampled tokens."""
+        history = np.concatenate([contexts, self.lookup[token_ids][:, None]], axis=1)
+        back = history[:, ::-1]  # k = 0 is the token itself
+        blocked = np.cumsum(back == DEAD, axis=1) > 0
+        return self._hash(np.where(blocked, self.pad, back))
+
+    def _hash(self, tokens: np.ndarray) -> np.ndarray:
+        """[T, N] compressed look-back (k = 0 current, blocking applied) -> [T, L, cols] row ids."""
         n_heads = self.layout.n_heads
         products = tokens[:, None, :] * self.multipliers[None, :, :]  # [T, L, N]
         mixes = np.bitwise_xor.accumulate(products, axis=2)[:, :, 1:]  # order n = k + 1 uses mix after k
         per_column = np.repeat(mixes, n_heads, axis=2)  # [T, L, cols], column (n-2)*heads + head
-        return per_column % self.primes[None] + self.offsets[None], carried
+        return per_column % self.primes[None] + self.offsets[None]

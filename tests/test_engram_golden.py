@@ -121,3 +121,17 @@ def test_fusion_matches_golden(name):
                 gate = EngramFusion.gate(dot, mask[b])
                 assert (gate - expected["gate"][b]).abs().max() <= 2e-5
                 assert (out - expected["out"][b]).abs().max() <= 2e-5 * expected["out"][b].abs().max()
+
+
+def test_next_row_ids_of_many_sequences_equal_hashing_each():
+    case = golden("cfgA")
+    hasher = hasher_for(case)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, len(hasher.lookup), size=n).tolist() for n in (1, 2, 5, 9)]
+    contexts, expected = [], []
+    for seq in sequences:
+        _, context = hasher.row_ids(seq[:-1], None, hasher.empty_context()) if len(seq) > 1 else (None, hasher.empty_context())
+        contexts.append(context)
+        expected.append(hasher.row_ids(seq[-1:], None, context)[0][0])
+    got = hasher.next_row_ids(np.array([s[-1] for s in sequences]), np.array(contexts))
+    assert np.array_equal(got, np.stack(expected))

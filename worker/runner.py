@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from kernels.batch_invariant import BatchInvariantMode
@@ -76,15 +77,13 @@ class ModelRunner:
         hint = getattr(getattr(memory, "source", None), "hint", None)
         if hint is None:
             return
-        request_ids, row_ids = [], []
-        for chunk, result in zip(plan.chunks, results):
-            if result.sampled is not None:
-                context = self.cache.engram_context[chunk.slot].tolist()
-                ids, _ = memory.hasher.row_ids([result.sampled.token_id], None, context)
-                request_ids.append(chunk.request_id)
-                row_ids.append(torch.from_numpy(ids))
-        if row_ids:  # one hint for the whole step: the I/O thread wakes once
-            hint(request_ids, torch.cat(row_ids))
+        sampled = [(chunk, result.sampled.token_id) for chunk, result in zip(plan.chunks, results) if result.sampled]
+        if not sampled:
+            return
+        slots = torch.tensor([chunk.slot for chunk, _ in sampled])
+        contexts = self.cache.engram_context[slots.to(self.cache.engram_context.device)].cpu().numpy()
+        ids = memory.hasher.next_row_ids(np.array([token for _, token in sampled]), contexts)
+        hint([chunk.request_id for chunk, _ in sampled], torch.from_numpy(ids))  # one hint a step
 
     def engram_stats(self) -> dict:
         """The Engram store's counters as EngineStats fields (empty without a tiered store)."""
