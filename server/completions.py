@@ -115,6 +115,7 @@ async def collect(engine: EngineClient, request: Request, text: IncrementalText 
                 text.push(output.new_token_ids, output.finished)
                 if text.stopped:
                     generation.text, generation.finish_reason = text.sent, "stop"
+                    engine.stopped_early(request.request_id)
                     break  # closing generate() before its last output aborts the request
     return generation
 

@@ -36,8 +36,9 @@ class RequestObserver:
     def output(self, output: RequestOutput) -> None:
         """Each output, as it is handed to the caller."""
 
-    def ended(self, finished: bool) -> None:
-        """Once, last; finished is False when the caller left before the finished output (an abort)."""
+    def ended(self, finished: bool, reason: str | None = None) -> None:
+        """Once, last; finished is False when the caller left before the finished output (an abort);
+        `reason` overrides the finish reason (a stop string the front end found)."""
 
 
 class EngineClient:
@@ -48,6 +49,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
         self.observe: Callable[[Request], RequestObserver] = lambda _: RequestObserver()
+        self._stopped_early: set[str] = set()  # requests the front end ended at a stop string
 
     def connect(self, engine: EngineHandle) -> None:
         self._engine = engine
@@ -107,4 +109,11 @@ class EngineClient:
             self._queues.pop(request.request_id, None)
             if not finished:
                 self._engine.abort(request.request_id)
-            observer.ended(finished)
+            early = request.request_id in self._stopped_early
+            self._stopped_early.discard(request.request_id)
+            observer.ended(finished or early, "stop" if early else None)
+
+    def stopped_early(self, request_id: str) -> None:
+        """The front end ends this request at a stop string (then aborts it in the engine): the
+        metrics count it as a finish with reason "stop", not as an abort."""
+        self._stopped_early.add(request_id)

@@ -154,9 +154,9 @@ class RequestTrace(RequestObserver):
         if output.finished:
             self.finish_reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "error"
 
-    def ended(self, finished: bool) -> None:
+    def ended(self, finished: bool, reason: str | None = None) -> None:
         metrics = self.metrics
-        metrics.success["abort" if not finished else self.finish_reason].inc()
+        metrics.success[reason or ("abort" if not finished else self.finish_reason)].inc()
         metrics.e2e.observe(time.monotonic() - self.started)
         metrics.request_prompt_tokens.observe(self.num_prompt_tokens)
         metrics.request_generation_tokens.observe(self.num_tokens)

@@ -99,6 +99,7 @@ async def choice_steps(
                 raise RequestFailed(item.error)
             text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
             if stopped:
+                engine.stopped_early(requests[index].request_id)
                 tasks[index].cancel()  # leaving generate() before its last output aborts the request
             if stopped or item.finished:
                 open_choices.discard(index)

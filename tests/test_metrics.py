@@ -143,3 +143,24 @@ def test_open_without_a_key_and_vllm_names_optional(checkpoints):
         names = {name for name, _ in scrape(base)}
     assert "ds4serve:num_requests_running" in names and "ds4serve:time_to_first_token_seconds_count" in names
     assert not any(name.startswith("vllm:") for name in names)
+
+
+def test_a_stop_string_finish_counts_as_stop_not_abort(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    free = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stop = free.choices[0].text[2:5]  # text the same greedy request is bound to produce
+    before = scrape(server)
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt="stop here", max_tokens=12, temperature=0,
+                                             stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            finish = [c.choices[0].finish_reason for c in response if c.choices and c.choices[0].finish_reason][-1]
+        else:
+            finish = response.choices[0].finish_reason
+        assert finish == "stop"
+    after = scrape(server)
+    for prefix in ("ds4serve", "vllm"):
+        name = f"{prefix}:request_success_total"
+        assert value(after, name, finished_reason="stop") - value(before, name, finished_reason="stop") == 2
+        assert value(after, name, finished_reason="abort") == value(before, name, finished_reason="abort")
