@@ -35,6 +35,19 @@ class GroupedLinear(nn.Module):
         return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
 
 
+def add_attention_projections(module: nn.Module, c: ModelConfig) -> None:
+    """The projections V4 and V4.1 attention share, under HF's parameter names: low-rank q with its
+    norm, the single K=V head with its norm, the grouped low-rank output, and the per-head sinks."""
+    module.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+    module.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+    module.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+    module.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+    module.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+    module.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
+    module.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+    module.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -42,14 +55,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.window = c.num_heads, c.head_dim, c.sliding_window
         self.eps = c.rms_norm_eps
         self.kind = c.layer_types[layer]
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
-        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
-        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        add_attention_projections(self, c)
         rate = c.compress_rates[layer]
         if self.kind == CSA:
             indexer = Indexer(

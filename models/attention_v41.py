@@ -17,12 +17,12 @@ from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
-from models.attention import GroupedLinear, window_keys
+from models.attention import add_attention_projections, window_keys
 from models.batch import ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
-from models.layers import RMSNorm, RotaryTable, apply_rope
+from models.layers import RotaryTable, apply_rope
 
 
 @dataclass
@@ -39,14 +39,7 @@ class SharedCompressedAttention(nn.Module):
         super().__init__()
         c, shared = config, config.shared_compression
         self.layer, self.num_heads, self.head_dim = layer, c.num_heads, c.head_dim
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
-        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
-        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        add_attention_projections(self, c)
         self.quantize_kv = fake_quant_fp8_ue8m0 if c.simulate_quantization else (lambda x: x)
         compressed = c.compress_rates[layer] > 0
         self.rope = RotaryTable(c.compress_rope if compressed else c.main_rope)
