@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +226,17 @@ def random_weights(config: ModelConfig, seed: int = 0, engram_tables: bool = Tru
     return weights
 
 
-def build_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(path: Path, extra_tokens: Sequence[str] = ()) -> None:
+    """A byte-level BPE trained on CORPUS; `extra_tokens` are appended as plain (non-special) added
+    tokens, so tests can give multi-character strings such as DSML tags one token id each."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -238,18 +248,23 @@ def build_tokenizer(path: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(text, normalized=False) for text in extra_tokens])
     tokenizer.save(str(path))
 
 
-def build_tiny_checkpoint(out: str | Path, seed: int = 0, family: str = "v41", **config_overrides: Any) -> Path:
+def build_tiny_checkpoint(
+    out: str | Path, seed: int = 0, family: str = "v41", extra_tokens: Sequence[str] = (), **config_overrides: Any
+) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json and friends into `out`.
-    `family`: "v41" (the default model) or "v4"; `config_overrides` replace that family's keys."""
+    `family`: "v41" (the default model) or "v4"; `config_overrides` replace that family's keys;
+    `extra_tokens` become added tokens after the trained vocabulary (which grows to hold them)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if family not in ("v4", "v41"):
         raise ValueError(f"family {family!r} is not 'v4' or 'v41'")
+    config_overrides.setdefault("vocab_size", TOKENIZER_VOCAB + len(extra_tokens))
     raw = tiny_config_dict(**config_overrides) if family == "v4" else tiny_v41_config_dict(**config_overrides)
-    build_tokenizer(out / "tokenizer.json")
+    build_tokenizer(out / "tokenizer.json", extra_tokens)
     config = ModelConfig.from_dict(raw)
     if config.engram is not None:  # table sizes and the compressed vocabulary follow from the tokenizer
         from tokenizers import Tokenizer

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions through real HTTP (`python -m server` on the tiny V4.1 checkpoint) with
-the official openai client, and the DSML tool-call path through the app with a scripted engine."""
+the official openai client, including a DSML tool call forced through the real engine."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import json
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
-from scheduler.request import Request, RequestOutput
-from server.app import ServedModel, create_app
-from server.chat import ChatFormat
-from server.engine_client import EngineClient
+from models.tiny import build_tiny_checkpoint
 from server.tokenizer import TextTokenizer
 from tests.serving import running_server
 
@@ -158,50 +155,50 @@ def test_forced_reasoning_through_the_engine(server, client, tokenizer):
     assert "".join(d.content or "" for d in deltas) == tokenizer.decode(target[3:])
 
 
-class ScriptedEngine:
-    """Answers every request with the same token ids, one output per token."""
-
-    def __init__(self, client: EngineClient, token_ids: list[int]) -> None:
-        self.client, self.token_ids = client, token_ids
-
-    def submit(self, request: Request) -> None:
-        for k, token in enumerate(self.token_ids):
-            last = k == len(self.token_ids) - 1
-            self.client.on_output(RequestOutput(request.request_id, new_token_ids=(token,), finished=last,
-                                                finish_reason="stop" if last else None))
-
-    def validate(self, request: Request) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
+DSML_CALL = [  # one added token each in the checkpoint below, so the call is a sequence of distinct ids
+    "Let me check.", "<｜DSML｜ calls>\n", '<｜DSML｜ invoke name="get_weather">\n',
+    '<｜DSML｜ parameter name="city" string="true">', "Oslo", "</｜DSML｜ parameter>\n",
+    "</｜DSML｜ invoke>\n", "</｜DSML｜ calls>",
+]
 
 
-def test_dsml_tool_call_and_reasoning_read_back(checkpoints, tokenizer):
-    """The static logit_bias cannot force a 100-token DSML block out of the random model, so the engine
-    is scripted: the real tokenizer, chat format, parser and HTTP layer read its tokens back."""
-    model_dir = checkpoints["v41"]
-    fmt = ChatFormat.for_checkpoint(model_dir, ModelConfig.from_file(model_dir / "config.json").model_type)
-    dialect = fmt.dialect
-    target = (
-        "Let me check.</think>" + dialect.calls_open + "\n" + dialect.invoke_open + 'get_weather">\n'
-        + dialect.parameter_open + ' name="city" string="true">Paris' + dialect.parameter_close + "\n"
-        + dialect.invoke_close + "\n" + dialect.calls_close
-    )
-    engine_client = EngineClient()
-    engine_client.connect(ScriptedEngine(engine_client, tokenizer.encode(target, add_special_tokens=False) + [1]))
-    app = create_app(engine_client, tokenizer, ServedModel("tiny", str(model_dir), 1024), chat=fmt)
-    with TestClient(app) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-        body = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
-                    extra_body={"chat_template_kwargs": {"thinking": True}})
-        choice = client.chat.completions.create(**body).choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        assert choice.message.model_extra["reasoning_content"] == "Let me check."
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-        chunks = list(client.chat.completions.create(**body, stream=True))
+@pytest.fixture(scope="module")
+def dsml_server(tmp_path_factory):
+    """A tiny V4.1 whose tokenizer holds DSML_CALL as tokens and whose output head is scaled to 1%,
+    so every logit lies within ~0.1 of the others and logit_bias plus penalties decide the order."""
+    model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("dsml"), extra_tokens=DSML_CALL)
+    weights = load_file(model_dir / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 0.01
+    save_file(weights, str(model_dir / "model.safetensors"))
+    with running_server(model_dir, "tiny", "--max-model-len", "1024") as base:
+        yield base, TextTokenizer(model_dir, ModelConfig.from_file(model_dir / "config.json").bos_token_id)
+
+
+def test_dsml_tool_call_and_reasoning_forced_through_the_engine(dsml_server):
+    """Reasoning, </think>, a DSML call, then EOS, forced through the real engine: biases descend by
+    0.35 per token and presence + frequency penalties sink a drawn token by 4, more than the 3.15
+    span, so each step draws the next token of the sequence (prompt tokens are not penalised by
+    these two, and the tool instructions in the prompt contain the same DSML tags)."""
+    base, tokenizer = dsml_server
+    target = [tokenizer.encode(DSML_CALL[0], add_special_tokens=False)[0], THINK_END]
+    target += [tokenizer.encode(text, add_special_tokens=False)[0] for text in DSML_CALL[1:]] + [1]
+    assert len(set(target)) == len(target) == 10
+    bias = {str(token): 100.0 - 0.35 * k for k, token in enumerate(target)}
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice="auto",
+                temperature=0, max_tokens=20, presence_penalty=2.0, frequency_penalty=2.0,
+                extra_body={"chat_template_kwargs": {"thinking": True}, "logit_bias": bias, "return_token_ids": True})
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.model_extra["token_ids"] == target
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    chunks = list(client.chat.completions.create(**body, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Let me check."
+    assert not "".join(d.content or "" for d in deltas)
     fragments = [f for d in deltas for f in d.tool_calls or []]
     assert fragments[0].function.name == "get_weather" and fragments[0].id.startswith("chatcmpl-tool-")
-    assert json.loads("".join(f.function.arguments or "" for f in fragments)) == {"city": "Paris"}
+    assert json.loads("".join(f.function.arguments or "" for f in fragments)) == {"city": "Oslo"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
