@@ -169,6 +169,40 @@ class ModelCache:
     def capacity(self, pages: torch.Tensor) -> int:
         return pages.shape[0] * self.block_tokens
 
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The per-slot state, slot first: what a prefix-cache snapshot copies."""
+        out: list[torch.Tensor] = []
+        for layer in self.layers:
+            out.append(layer.window)
+            for pooler in (layer.compressor, layer.indexer):
+                if pooler is not None:
+                    out += [pooler.raw_kv, pooler.raw_gate]
+            if layer.shared is not None:
+                out += [layer.shared.raw_kv, layer.shared.raw_gate]
+        if self.engram_context is not None:
+            out.append(self.engram_context)
+        return [t for t in out if t.shape[1]]  # a ratio-1 source keeps no open group
+
+    def copy_slots(self, sources: list[int], targets: list[int]) -> None:
+        """Fixed state of slot sources[i] -> targets[i] (distinct targets), one indexed copy per tensor."""
+        if not sources:
+            return
+        device = self.layers[0].window.device
+        src = torch.tensor(sources, device=device)
+        dst = torch.tensor(targets, device=device)
+        for tensor in self.fixed_tensors():
+            tensor[dst] = tensor[src]
+
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None:
+        """Paged entries of page sources[i] -> targets[i] in every paged layer."""
+        if not sources:
+            return
+        device = self.layers[0].window.device
+        src = torch.tensor(sources, device=device)
+        dst = torch.tensor(targets, device=device)
+        for tensor in self.paged_tensors():
+            tensor[dst] = tensor[src]
+
     def tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for layer in self.layers:

@@ -38,6 +38,8 @@ class EngineStats:
     pages_total: int = 0
     pages_held: int = 0
     pages_cached: int = 0  # reusable by the prefix cache, evictable
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which found there
     steps: int = 0
     last_step_tokens: int = 0
     # Engram row store (V4.1): rows served per tier, disk reads, prefetch waits (cumulative buckets)
@@ -81,6 +83,7 @@ class EngineCore:
         return EngineStats(
             running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
             pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
+            prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
             **engram,
         )
 
@@ -120,7 +123,7 @@ class EngineCore:
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if not plan.has_work:
             return
         try:
             result = self.executor.execute(plan)

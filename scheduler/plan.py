@@ -26,8 +26,28 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class StateCopy:
+    """Copies one model-cache slot's fixed state (window rings, open groups, Engram look-back)."""
+
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
+    """The step's chunks, and the prefix cache's copies the worker makes before the forward, in this
+    order: `saves` (a request's slot into a snapshot slot, for state points taken at the end of the
+    previous step or at a preemption), `restores` (a snapshot into a request's slot, for hits), then
+    `page_copies` ((source, target) pages: a hit's partial last page, which the request writes on)."""
+
     chunks: tuple[ScheduledChunk, ...]
+    saves: tuple[StateCopy, ...] = ()
+    restores: tuple[StateCopy, ...] = ()
+    page_copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.saves or self.restores or self.page_copies)
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,11 @@ class Request:
     num_computed_tokens: int = 0  # tokens of prompt + output already in the cache
     slot: int | None = None
     finish_reason: str | None = None
+    cache_salt: str | None = None  # prefix-cache tenant: requests only reuse state of the same salt
+    # a position where a later request is likely to diverge (the chat layer: before the generation
+    # prompt); the prefix cache keeps a state point there
+    cache_boundary: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -120,3 +125,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -6,16 +6,26 @@ requests while cache slots, pages and the step's token budget last; long prompts
 chunks. When a running request needs a page and none is left, the newest running request not yet
 scheduled in this step is preempted: its pages and slot are released and it goes back to the front
 of the queue, to be recomputed from its tokens later (its outputs so far are kept).
+
+With the prefix cache on (scheduler/prefix_cache.py), an admitted request resumes from the longest
+state point its tokens start with, and the scheduler takes points after prompt chunks, at the
+request's cache boundary (a prompt chunk ends there), at preemption and at the end of a request.
+The copies this needs (slot snapshots, a partial page) ride in the next StepPlan.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.plan import ScheduledChunk, StepPlan, StepResult
+from scheduler.plan import ScheduledChunk, StateCopy, StepPlan, StepResult
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import InvalidSamplingParams, Request, RequestOutput, RequestStatus, TokenLogprob
+
+
+log = logging.getLogger("ds4serve.scheduler")
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,8 @@ class SchedulerLimits:
     eos_token_ids: tuple[int, ...]
     num_pages: int | None = None  # KV pages the memory plan affords (None: enough for every slot)
     block_tokens: int = 128
+    # prefix-cache snapshot slots, model-cache slots max_num_seqs .. max_num_seqs + this - 1 (0: no cache)
+    prefix_snapshots: int = 0
 
     @property
     def total_pages(self) -> int:
@@ -71,6 +83,9 @@ class SchedulerStats:
     preemptions: int  # since start
     last_step_tokens: int
     blocks: BlockStats
+    prefix_queried_tokens: int = 0  # since start
+    prefix_hit_tokens: int = 0
+    prefix_points: int = 0
 
 
 class Scheduler:
@@ -82,6 +97,12 @@ class Scheduler:
         self.pending_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
         self.last_step_tokens = 0
+        self.prefix: PrefixCache | None = None
+        if limits.prefix_snapshots:
+            snapshots = list(range(limits.max_num_seqs, limits.max_num_seqs + limits.prefix_snapshots))
+            self.prefix = PrefixCache(snapshots, limits.block_tokens, self.blocks)
+            self.blocks.evict = self.prefix.evict_one
+        self._saves: list[StateCopy] = []  # taken since the last plan; the worker copies them first
 
     def validate(self, request: Request) -> None:
         validate_request(self.limits, request)
@@ -98,11 +119,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._saves)
 
     def schedule(self) -> StepPlan:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        restores: list[StateCopy] = []
+        page_copies: list[tuple[int, int]] = []
         scheduled: set[str] = set()
         for request in [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]:
             if budget <= 0:
@@ -117,22 +140,59 @@ class Scheduler:
             budget -= length
         while self.waiting and self.blocks.has_slot() and budget > 0:
             request = self.waiting[0]
-            length = self._chunk_length(request, budget)
-            if self.blocks.pages_for(length) > self.blocks.available_pages:
+            if not self._admit(request, budget, restores, page_copies):
                 break  # admission never preempts
             self.waiting.popleft()
-            request.slot, request.status = self.blocks.open(request.request_id), RequestStatus.RUNNING
+            request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.blocks.grow(request.request_id, length)
             chunks.append(self._chunk(request, budget))
             scheduled.add(request.request_id)
-            budget -= length
+            budget -= len(chunks[-1].token_ids)
         self.last_step_tokens = self.limits.max_num_batched_tokens - budget
-        return StepPlan(chunks=tuple(chunks))
+        # a snapshot slot freed and taken again since the last plan: only its last save counts
+        saves = tuple({copy.target: copy for copy in self._saves}.values())
+        self._saves = []
+        return StepPlan(chunks=tuple(chunks), saves=saves, restores=tuple(restores), page_copies=tuple(page_copies))
 
-    @staticmethod
-    def _chunk_length(request: Request, budget: int) -> int:
-        return min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+    def _admit(self, request: Request, budget: int, restores: list[StateCopy], page_copies: list[tuple[int, int]]) -> bool:
+        """Gives the request a slot and pages for its first chunk, resuming from the longest prefix-cache
+        point its tokens start with; False (nothing taken) if the pages do not fit."""
+        rid = request.request_id
+        slot = self.blocks.open(rid)
+        tokens = request.all_token_ids
+        hit = None
+        if self.prefix is not None and request.params.prompt_logprobs is None:  # echo needs every position
+            hit = self.prefix.lookup(request.cache_salt, tokens, count=False)
+        start = hit.position if hit else 0
+        full = start // self.limits.block_tokens
+        if hit:
+            self.blocks.share(rid, hit.point.pages[:full])
+        request.num_computed_tokens = start
+        if not self.blocks.grow(rid, start + self._chunk_length(request, budget)):
+            self.blocks.close(rid)
+            request.num_computed_tokens = 0
+            return False
+        request.slot = slot
+        if self.prefix is not None and request.params.prompt_logprobs is None and not request.output_token_ids:
+            self.prefix.queried_tokens += len(tokens)
+            self.prefix.hit_tokens += start
+            request.num_cached_tokens = start
+        if hit:
+            restores.append(StateCopy(hit.point.snapshot, slot))
+            if start % self.limits.block_tokens:
+                page_copies.append((hit.point.pages[full], self.blocks.table(rid)[full]))
+            log.debug("prefix-cache hit: %s resumes at token %d of %d", rid, start, len(tokens))
+        return True
+
+    def _chunk_length(self, request: Request, budget: int) -> int:
+        """The next chunk's tokens; a prompt chunk ends at the request's cache boundary (to take a
+        state point there) when the prefix cache is on."""
+        start = request.num_computed_tokens
+        end = min(len(request.all_token_ids), start + budget)
+        boundary = request.cache_boundary
+        if self.prefix is not None and boundary is not None and start < boundary < end and not request.output_token_ids:
+            end = boundary
+        return end - start
 
     def _reserve(self, request: Request, length: int, scheduled: set[str]) -> bool:
         """Pages for the request's next `length` tokens, preempting newer unscheduled requests (or,
@@ -147,6 +207,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._take_point(request)
         self.blocks.close(request.request_id)
         self.running.remove(request)
         self.pending_prompt_logprobs.pop(request.request_id, None)
@@ -157,7 +218,7 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         tokens = request.all_token_ids
         start = request.num_computed_tokens
-        end = min(len(tokens), start + budget)
+        end = start + self._chunk_length(request, budget)
         prompt_len = len(request.prompt_token_ids)
         # a request recomputed after preemption already delivered its prompt logprobs with its first token
         wants_prompt_logprobs = (
@@ -191,6 +252,8 @@ class Scheduler:
                 outputs.append(self._finish(request, RequestStatus.FAILED, "error", chunk_result.error))
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
+            if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
+                self._take_point(request)
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
             if chunk.params.prompt_logprobs is not None and in_prompt:  # not again when recomputed after preemption
                 collected = self.pending_prompt_logprobs.setdefault(request.request_id, [None])
@@ -214,6 +277,7 @@ class Scheduler:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -230,7 +294,12 @@ class Scheduler:
         return None
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """The step failed: every running request ends with the error; waiting ones stay queued."""
+        """The step failed: every running request ends with the error; waiting ones stay queued. The
+        step's snapshot copies may not have run, so the prefix cache starts over."""
+        if self.prefix is not None:
+            while self.prefix.evict_one():
+                pass
+            self._saves.clear()
         return [self._finish(request, RequestStatus.FAILED, "error", message) for request in list(self.running)]
 
     def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> RequestOutput:
@@ -242,10 +311,22 @@ class Scheduler:
             finish_reason=reason,
             error=error,
             num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
         )
+
+    def _take_point(self, request: Request) -> None:
+        """A prefix-cache point at the request's computed tokens; its slot is snapshotted next step."""
+        if self.prefix is None or not request.num_computed_tokens:
+            return
+        tokens = tuple(request.all_token_ids[: request.num_computed_tokens])
+        point = self.prefix.insert(request.cache_salt, tokens, tuple(self.blocks.table(request.request_id)))
+        if point is not None:
+            self._saves.append(StateCopy(request.slot, point.snapshot))
 
     def _release(self, request: Request, status: RequestStatus, reason: str) -> None:
         request.status, request.finish_reason = status, reason
+        if status is RequestStatus.FINISHED and request in self.running:
+            self._take_point(request)  # a follow-up turn continues from here
         if request in self.running:
             self.running.remove(request)
             self.blocks.close(request.request_id)
@@ -254,11 +335,22 @@ class Scheduler:
         request.slot = None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.last_step_tokens, self.blocks.stats())
+        prefix = self.prefix
+        return SchedulerStats(
+            len(self.running), len(self.waiting), self.num_preemptions, self.last_step_tokens, self.blocks.stats(),
+            prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0, prefix.num_points if prefix else 0,
+        )
 
     def check_integrity(self) -> None:
         """Pages and slots add up, and exactly the running requests hold them."""
-        self.blocks.check_integrity()
+        cache_refs = None
+        if self.prefix is not None:
+            self.prefix.check_integrity(self.limits.prefix_snapshots)
+            cache_refs = [0] * self.blocks.num_pages
+            for point in self.prefix.points.values():
+                for page in point.pages:
+                    cache_refs[page] += 1
+        self.blocks.check_integrity(cache_refs)
         holders = {r.request_id for r in self.running}
         assert set(self.blocks.slots) == holders, "slots held by requests that are not running"
         assert all(self.blocks.slots[r.request_id] == r.slot for r in self.running), "a request lost its slot"

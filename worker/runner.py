@@ -31,21 +31,27 @@ class ModelRunner:
         block_tokens: int | None = None,
         max_logit_rows: int = 0,
         deterministic: bool = False,
+        snapshot_slots: int = 0,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
-        step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it."""
+        step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it.
+        `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots."""
         self.model = model
         self.deterministic = deterministic
         dtype = model.lm_head.weight.dtype
         self.cache = ModelCache.allocate(
-            model.config, num_slots, max_model_len, dtype=dtype, device=device, num_pages=num_pages, block_tokens=block_tokens
+            model.config, num_slots + snapshot_slots, max_model_len, dtype=dtype, device=device,
+            num_pages=num_pages, block_tokens=block_tokens,
         )
         self.device = device
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self._copy_prefix_state(plan)
+        if not plan.chunks:
+            return StepResult(chunks=())
         logit_rows = [self._rows_wanted(chunk) for chunk in plan.chunks]
         batch = ForwardBatch.build(
             [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in plan.chunks], logits=logit_rows
@@ -66,6 +72,12 @@ class ModelRunner:
                 results.append(self._chunk_result(chunk, chunk_logits))
         self._hint_next_rows(plan, results)
         return StepResult(chunks=tuple(results))
+
+    def _copy_prefix_state(self, plan: StepPlan) -> None:
+        """Snapshots first (they read slots as the last step left them), then restores, then pages."""
+        for copies in (plan.saves, plan.restores):
+            self.cache.copy_slots([c.source for c in copies], [c.target for c in copies])
+        self.cache.copy_pages([s for s, _ in plan.page_copies], [t for _, t in plan.page_copies])
 
     def _engram_failures(self) -> dict[int, str]:
         memory = getattr(self.model, "engram_memory", None)
