@@ -58,6 +58,7 @@ def encode(message: ToEngine | FromEngine) -> bytes:
     if isinstance(message, Request):
         body: Any = {
             "request_id": message.request_id, "prompt_token_ids": message.prompt_token_ids, "params": message.params,
+            "cache_salt": message.cache_salt, "cache_boundary": message.cache_boundary,
         }
     else:
         body = message
@@ -88,7 +89,10 @@ def _token_logprob(body: dict[str, Any]) -> TokenLogprob:
 
 
 def _request(body: dict[str, Any]) -> Request:
-    return Request(body["request_id"], list(body["prompt_token_ids"]), SamplingParams(**_fields(body["params"])))
+    return Request(
+        body["request_id"], list(body["prompt_token_ids"]), SamplingParams(**_fields(body["params"])),
+        cache_salt=body["cache_salt"], cache_boundary=body["cache_boundary"],
+    )
 
 
 def _output(body: dict[str, Any]) -> RequestOutput:

@@ -45,6 +45,9 @@ class StatePoint:
     tokens: tuple[int, ...]  # the point resumes at position len(tokens)
     snapshot: int  # model-cache slot holding the fixed state at that position
     pages: tuple[int, ...]  # pages covering the tokens (the last one partial unless aligned)
+    # the snapshot also holds the logits of the last token (the point ends where a chunk sampled), so a
+    # request made of exactly these tokens needs no forward before its first draw
+    has_logits: bool = False
     chain: int = field(repr=False, default=0)  # hash of (salt, full pages' tokens): the lookup key
 
     @property
@@ -84,16 +87,17 @@ class PrefixCache:
         return len(self.points)
 
     def lookup(self, salt: str | None, tokens: list[int], count: bool = True) -> PrefixHit | None:
-        """The longest point whose tokens start `tokens`, leaving at least one token to compute."""
-        limit = len(tokens) - 1
-        full = limit // self.block_tokens
+        """The longest point whose tokens start `tokens`. It leaves at least one token to compute,
+        unless it covers all of them and kept the logits to draw the next one from."""
+        full = len(tokens) // self.block_tokens
         chain = block_chain(salt, tokens, self.block_tokens, full)
         hit = None
-        for k in range(full, -1, -1):
+        for k in range(full, -1, -1):  # points at k full blocks sit at positions [k, k + 1) blocks
             best = None
             for point in self.by_chain.get(chain[k], ()):
                 p = point.position
-                if point.salt == salt and k * self.block_tokens <= p <= limit and tuple(tokens[:p]) == point.tokens:
+                limit = len(tokens) - (0 if point.has_logits else 1)
+                if point.salt == salt and p <= limit and tuple(tokens[:p]) == point.tokens:
                     if best is None or p > best.position:
                         best = point
             if best is not None:
@@ -105,21 +109,25 @@ class PrefixCache:
             self.hit_tokens += hit.position if hit else 0
         return hit
 
-    def insert(self, salt: str | None, tokens: tuple[int, ...], pages: tuple[int, ...]) -> StatePoint | None:
+    def insert(
+        self, salt: str | None, tokens: tuple[int, ...], pages: tuple[int, ...], has_logits: bool = False
+    ) -> StatePoint | None:
         """A new point (None if an equal one exists: it is only refreshed, or if no snapshot slot can
         be had). The caller copies the request's slot into `point.snapshot` before it changes."""
         if not tokens:
             return None
         key = (salt, tokens)
-        if key in self.points:
+        if key in self.points and (self.points[key].has_logits or not has_logits):
             self.points.move_to_end(key)
             return None
+        if key in self.points:  # the same tokens, now with logits: replace it
+            self._drop(key)
         if not self.free_snapshots and not self.evict_one():
             return None
         pages = pages[: -(-len(tokens) // self.block_tokens)]
         full = len(tokens) // self.block_tokens
         chain = block_chain(salt, tokens, self.block_tokens, full)[full]
-        point = StatePoint(salt, tokens, self.free_snapshots.pop(), pages, chain)
+        point = StatePoint(salt, tokens, self.free_snapshots.pop(), pages, has_logits, chain)
         self.blocks.cache_pages(pages)
         self.points[key] = point
         self.by_chain.setdefault(chain, []).append(point)
@@ -129,14 +137,17 @@ class PrefixCache:
         """Drops the least recently used point; False when there is none."""
         if not self.points:
             return False
-        _, point = self.points.popitem(last=False)
+        self._drop(next(iter(self.points)))
+        return True
+
+    def _drop(self, key: tuple[str | None, tuple[int, ...]]) -> None:
+        point = self.points.pop(key)
         siblings = self.by_chain[point.chain]
         siblings.remove(point)
         if not siblings:
             del self.by_chain[point.chain]
         self.blocks.uncache_pages(point.pages)
         self.free_snapshots.append(point.snapshot)
-        return True
 
     def check_integrity(self, snapshot_slots: int) -> None:
         used = [p.snapshot for p in self.points.values()]

@@ -103,6 +103,7 @@ class Request:
     # prompt); the prefix cache keeps a state point there
     cache_boundary: int | None = None
     num_cached_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
+    logits_position: int = -1  # computed tokens when the slot's last logits were produced
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -172,6 +172,7 @@ class Scheduler:
             self.blocks.close(rid)
             request.num_computed_tokens = 0
             return False
+        request.logits_position = start if hit and hit.point.has_logits else -1
         request.slot = slot
         if self.prefix is not None and request.params.prompt_logprobs is None and not request.output_token_ids:
             self.prefix.queried_tokens += len(tokens)
@@ -252,6 +253,8 @@ class Scheduler:
                 outputs.append(self._finish(request, RequestStatus.FAILED, "error", chunk_result.error))
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                request.logits_position = request.num_computed_tokens
             if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
                 self._take_point(request)
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
@@ -319,7 +322,8 @@ class Scheduler:
         if self.prefix is None or not request.num_computed_tokens:
             return
         tokens = tuple(request.all_token_ids[: request.num_computed_tokens])
-        point = self.prefix.insert(request.cache_salt, tokens, tuple(self.blocks.table(request.request_id)))
+        has_logits = request.logits_position == request.num_computed_tokens
+        point = self.prefix.insert(request.cache_salt, tokens, tuple(self.blocks.table(request.request_id)), has_logits)
         if point is not None:
             self._saves.append(StateCopy(request.slot, point.snapshot))
 

@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         name = "--" + flag.replace("_", "-")
         if flag == "deterministic":
             parser.add_argument(name, action="store_const", const=True, default=None)
+        elif flag == "enable_prefix_caching":
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)
         elif flag in ("port", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             parser.add_argument(name, type=int)
         elif flag == "gpu_memory_utilization":

@@ -18,6 +18,7 @@ from typing import Any
 
 from scheduler.request import Request, TokenLogprob
 from server.chat import ChatFormat, Delta, OutputParser, ParsedMessage
+from server.chat.tokens import THINK_START
 from server.chat_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -73,10 +74,22 @@ def build_chat_call(
     ids = tokenizer.encode(prompt, add_special_tokens=False)  # the rendered prompt holds its BOS
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = [
-        Request(f"{response_id}-{tag}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i))
+        Request(
+            f"{response_id}-{tag}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
+            cache_salt=body.cache_salt, cache_boundary=history_end(ids, tokenizer),
+        )
         for i in range(body.n)
     ]
     return ChatCall(response_id, body, raw, prompt, requests)
+
+
+def history_end(ids: list[int], tokenizer: TextTokenizer) -> int | None:
+    """Where the next turn's prompt will stop matching this one: before an opening `<think>`, since
+    the next turn renders this answer as `</think>answer` (earlier reasoning is dropped). The prefix
+    cache keeps a state point there, so follow-up turns reuse the whole history before it."""
+    if len(ids) > 1 and tokenizer.token_text(ids[-1]) == THINK_START:
+        return len(ids) - 1
+    return None
 
 
 def chat_logprobs(tokenizer: TextTokenizer, entries: list[TokenLogprob]) -> ChatLogprobs:

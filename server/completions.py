@@ -3,7 +3,7 @@
 The response id is `cmpl-<base>`, where the base is the request's x-request-id (or a fresh uuid); the
 engine request ids extend it with a per-call tag, so two calls that reuse an x-request-id never collide
 in the engine. `usage.prompt_tokens_details.cached_tokens` reads `num_cached_tokens` from the engine's
-outputs where they carry it (0 until the prefix cache reports it).
+outputs (prompt tokens the engine's prefix cache served).
 """
 
 from __future__ import annotations
@@ -155,7 +155,10 @@ def build_requests(
     prompts = prompt_token_lists(body, tokenizer)
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = [
-        Request(f"{response_id}-{tag}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i))
+        Request(
+            f"{response_id}-{tag}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
+            cache_salt=body.cache_salt,
+        )
         for p, ids in enumerate(prompts)
         for i in range(body.n)
     ]

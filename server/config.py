@@ -50,6 +50,16 @@ class SchedulerSection(Section):
     max_num_seqs: int = Field(default=16, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     block_tokens: int = Field(default=128, gt=0)
+    enable_prefix_caching: bool = True
+    # state points the prefix cache keeps (each a copy of one slot's fixed state); None: 4 per sequence
+    prefix_snapshots: int | None = Field(default=None, ge=0)
+
+    @property
+    def snapshot_slots(self) -> int:
+        """Cache slots reserved for prefix-cache snapshots (0 when the cache is off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return 4 * self.max_num_seqs if self.prefix_snapshots is None else self.prefix_snapshots
 
 
 class MemorySection(Section):
@@ -125,6 +135,7 @@ FLAG_KEYS = {
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "block_size": "scheduler.block_tokens",
+    "enable_prefix_caching": "scheduler.enable_prefix_caching",
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "deterministic": "runtime.deterministic",

@@ -200,9 +200,8 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
         (gauge, "num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting),
         (gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)),
         (counter, "num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions),
-        # in tokens; 0 until the engine has a prefix cache and EngineStats carries its figures
-        (counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", 0),
-        (counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", 0),
+        (counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries),
+        (counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
     ]
     if prefix == "ds4serve":
         figures += [

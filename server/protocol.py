@@ -49,8 +49,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
-    # vLLM: isolates this request's prefix-cache entries from requests with another salt (kept for the
-    # prefix cache; nothing reads it before that lands)
+    # vLLM: requests only reuse prefix-cache state of requests with the same salt (tenants never share)
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
 

@@ -34,7 +34,7 @@ def error_frame(exc: Exception) -> bytes:
 
 
 def cached_tokens(output: RequestOutput) -> int:
-    return getattr(output, "num_cached_tokens", 0)
+    return output.num_cached_tokens
 
 
 @dataclass

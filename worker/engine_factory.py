@@ -88,6 +88,7 @@ def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput]
     runner = ModelRunner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=plan.num_pages, block_tokens=block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
+        snapshot_slots=sched.snapshot_slots,
     )
     limits = SchedulerLimits(
         max_num_seqs=sched.max_num_seqs,
@@ -97,6 +98,7 @@ def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput]
         eos_token_ids=model_config.eos_token_ids,
         num_pages=plan.num_pages,
         block_tokens=block_tokens,
+        prefix_snapshots=sched.snapshot_slots,
     )
     engine = EngineCore(Scheduler(limits), runner, on_output)
     log.info("engine for %s on %s (%s)", model_dir, device, dtype)
@@ -111,6 +113,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         model, sched.max_num_seqs, max_len, device=device, block_tokens=sched.block_tokens,
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
+        snapshot_slots=sched.snapshot_slots,
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     workspace += probe.logits.numel() * probe.logits.element_size()  # the runner's logits buffer

@@ -47,36 +47,62 @@ class ModelRunner:
         self.device = device
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
+        # with a prefix cache: each slot's logits of its last sampled position, part of the slot's state,
+        # so that a request whose whole prompt is cached draws its first token without a forward
+        self.last_logits = None
+        if snapshot_slots:
+            self.last_logits = torch.zeros(num_slots + snapshot_slots, model.config.vocab_size, device=device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._copy_prefix_state(plan)
-        if not plan.chunks:
-            return StepResult(chunks=())
-        logit_rows = [self._rows_wanted(chunk) for chunk in plan.chunks]
-        batch = ForwardBatch.build(
-            [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in plan.chunks], logits=logit_rows
-        )
-        n_rows = sum(len(rows) for rows in logit_rows)
-        out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
-        with BatchInvariantMode() if self.deterministic else nullcontext():
-            logits = self.model(batch, self.cache, out=out)
-        failed = self._engram_failures()
-        results, offset = [], 0
-        for chunk, rows, batch_chunk in zip(plan.chunks, logit_rows, batch.chunks):
-            chunk_logits = logits[offset : offset + len(rows)]
-            offset += len(rows)
-            error = next((failed[r] for r in range(batch_chunk.start, batch_chunk.start + batch_chunk.length) if r in failed), None)
-            if error is not None:
-                results.append(ChunkResult(request_id=chunk.request_id, sampled=None, error=error))
+        computed = [chunk for chunk in plan.chunks if chunk.token_ids]  # the rest resume a cached state point
+        logit_rows = [self._rows_wanted(chunk) for chunk in computed]
+        chunk_logits: dict[str, torch.Tensor] = {}
+        failed_chunks: dict[str, str] = {}
+        if computed:
+            batch = ForwardBatch.build(
+                [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=logit_rows
+            )
+            n_rows = sum(len(rows) for rows in logit_rows)
+            out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
+            with BatchInvariantMode() if self.deterministic else nullcontext():
+                logits = self.model(batch, self.cache, out=out)
+            failed = self._engram_failures()
+            offset = 0
+            for chunk, rows, batch_chunk in zip(computed, logit_rows, batch.chunks):
+                chunk_logits[chunk.request_id] = logits[offset : offset + len(rows)]
+                offset += len(rows)
+                span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+                error = next((failed[r] for r in span if r in failed), None)
+                if error is not None:
+                    failed_chunks[chunk.request_id] = error
+            self._keep_last_logits(computed, chunk_logits)
+        results = []
+        for chunk in plan.chunks:
+            if chunk.request_id in failed_chunks:
+                results.append(ChunkResult(request_id=chunk.request_id, sampled=None, error=failed_chunks[chunk.request_id]))
+            elif chunk.token_ids:
+                results.append(self._chunk_result(chunk, chunk_logits[chunk.request_id]))
             else:
-                results.append(self._chunk_result(chunk, chunk_logits))
+                results.append(self._chunk_result(chunk, self.last_logits[chunk.slot : chunk.slot + 1]))
         self._hint_next_rows(plan, results)
         return StepResult(chunks=tuple(results))
+
+    def _keep_last_logits(self, computed: list, chunk_logits: dict[str, torch.Tensor]) -> None:
+        if self.last_logits is None:
+            return
+        sampling = [c for c in computed if c.sample]
+        if sampling:
+            slots = torch.tensor([c.slot for c in sampling], device=self.last_logits.device)
+            self.last_logits[slots] = torch.stack([chunk_logits[c.request_id][-1] for c in sampling])
 
     def _copy_prefix_state(self, plan: StepPlan) -> None:
         """Snapshots first (they read slots as the last step left them), then restores, then pages."""
         for copies in (plan.saves, plan.restores):
-            self.cache.copy_slots([c.source for c in copies], [c.target for c in copies])
+            sources, targets = [c.source for c in copies], [c.target for c in copies]
+            self.cache.copy_slots(sources, targets)
+            if copies and self.last_logits is not None:
+                self.last_logits[targets] = self.last_logits[sources]
         self.cache.copy_pages([s for s, _ in plan.page_copies], [t for _, t in plan.page_copies])
 
     def _engram_failures(self) -> dict[int, str]:
