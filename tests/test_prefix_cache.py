@@ -60,6 +60,12 @@ def run(engine: EngineCore, outputs: Outputs, requests: list[Request], watch=Non
     engine.scheduler.check_integrity()
 
 
+def clobber(engine: EngineCore, outputs: Outputs) -> None:
+    """Runs an unrelated request, so the slots no longer hold the state a hit must restore."""
+    run(engine, outputs, [Request(f"other-{len(outputs.by_request)}", random_tokens(30, seed=99),
+                                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))])
+
+
 def full_logprobs(model, n: int = 6) -> SamplingParams:
     """Greedy, with the whole log-softmax reported: equal entries mean equal logits."""
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=model.config.vocab_size)
@@ -81,6 +87,7 @@ def test_deterministic_hit_is_bitwise_the_cold_run(model, hit):
     assert cold.cached("cold") == 0
     engine, warm = make_engine(model)
     run(engine, warm, [Request("first", prompt[:hit], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    clobber(engine, warm)
     run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
     assert warm.cached("warm") == hit
     assert warm.tokens("warm") == cold.tokens("cold")
@@ -93,6 +100,7 @@ def test_default_mode_hit_agrees_with_the_cold_run(model):
     run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model, 8))])
     engine, warm = make_engine(model, deterministic=False)
     run(engine, warm, [Request("first", prompt[:53], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))])
+    clobber(engine, warm)
     run(engine, warm, [Request("warm", prompt, full_logprobs(model, 8))])
     assert warm.cached("warm") == 53
     assert warm.tokens("warm") == cold.tokens("cold")
@@ -106,6 +114,7 @@ def test_follow_up_resumes_where_the_first_request_finished(model):
     engine, outputs = make_engine(model)
     run(engine, outputs, [Request("turn1", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])
     follow_up = prompt + outputs.tokens("turn1") + random_tokens(12, seed=10)
+    clobber(engine, outputs)
     run(engine, outputs, [Request("turn2", follow_up, full_logprobs(model))])
     assert outputs.cached("turn2") == len(prompt) + 10 - 1
     cold_engine, cold = make_engine(model)
@@ -117,6 +126,7 @@ def test_concurrent_requests_share_the_prefix_pages(model):
     shared = random_tokens(64, seed=11)
     engine, outputs = make_engine(model)
     run(engine, outputs, [Request("warm-up", shared + [9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    clobber(engine, outputs)
     followers = [Request(f"f{i}", shared + random_tokens(20, seed=20 + i), full_logprobs(model, 4)) for i in range(2)]
     held: list[int] = []
     run(engine, outputs, followers, watch=lambda e: held.append(e.scheduler.stats().blocks.held))
