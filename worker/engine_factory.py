@@ -116,7 +116,9 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         snapshot_slots=sched.snapshot_slots,
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
-    workspace += probe.logits.numel() * probe.logits.element_size()  # the runner's logits buffer
+    for buffer in (probe.logits, probe.last_logits):  # the runner's logits buffers
+        if buffer is not None:
+            workspace += buffer.numel() * buffer.element_size()
     page_bytes, slot_state = probe.cache.page_bytes(), probe.cache.slot_bytes()
     del probe
     return plan_pages(
