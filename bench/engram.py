@@ -6,19 +6,26 @@ warm row cache), on a V4.1 model whose Engram tables are several GB (JSON lines 
 The checkpoint is the tiny V4.1 with 256-wide Engram rows and prime table sizes chosen so the two
 tables take about --table-gb on disk (written once, streamed, then converted to table files). Prompts
 draw tokens from a Zipf law (s = --zipf) over the vocabulary, so n-gram rows are hit the way real text
-hits them. The host row cache is at most 10% of the table. Modes are interleaved run by run and each
-figure is the median of --runs runs. Keys: mode (gpu | host | disk_cold | disk_warm), concurrency,
+hits them. The host row cache is at most 10% of the table. Modes are interleaved run by run, in an order
+that rotates each run (disk_warm always right after disk_cold, whose reads warm its cache), each run
+starts after a garbage collection, and each figure is the median of --runs runs. `--profile MODE ...`
+prints those modes' cProfile (top functions by own time) to stderr after the last run. Keys: mode (gpu | host | disk_cold | disk_warm), concurrency,
 tok_s, prefetch_wait_p50_ms, prefetch_wait_p99_ms, hit_rate, iops, plus machine and commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import platform
 import statistics
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,6 +157,7 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", nargs="+", default=[], choices=["gpu", "host", "disk_cold", "disk_warm"])
     args = parser.parse_args()
     model_dir = make_checkpoint(args.dir / "model", args.table_gb)
     table_bytes = sum(p.stat().st_size for p in (args.dir / "model").glob("engram.safetensors"))
@@ -172,13 +180,24 @@ def main() -> None:
         warmup = zipf_prompts(vocab, concurrency, args.prompt_len, args.zipf, seed=10_000)
         for runner in runners.values():  # first-call costs (allocator, threads) out of the figures
             run_once(runner, warmup, 2)
-        for run in range(args.runs):  # interleaved: every mode once per round
+        units = [["gpu"], ["host"], ["disk_cold", "disk_warm"]]
+        profilers = {mode: cProfile.Profile() for mode in args.profile}
+        for run in range(args.runs):  # interleaved: every mode once per round, the order rotating
             prompts = zipf_prompts(vocab, concurrency, args.prompt_len, args.zipf, seed=run)
-            for mode in results:
+            for mode in [m for unit in units[run % 3 :] + units[: run % 3] for m in unit]:
                 runner = runners["disk" if mode.startswith("disk") else mode]
                 if mode == "disk_cold":
                     clear_caches(runner)
+                gc.collect()
+                if mode in profilers:
+                    profilers[mode].enable()
                 results[mode].append(run_once(runner, prompts, args.steps))
+                if mode in profilers:
+                    profilers[mode].disable()
+        for mode, profiler in profilers.items():
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"profile of {mode}, concurrency {concurrency}:\n{text.getvalue()}", file=sys.stderr)
         for mode, rows in results.items():
             line = {"bench": "engram", "mode": mode, "concurrency": concurrency}
             for key in rows[0]:

@@ -86,3 +86,25 @@ def test_decode_makes_no_new_device_allocations(checkpoints):
     after = torch.cuda.memory_stats()
     assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
     assert after["segment.all.allocated"] == before["segment.all.allocated"]  # no new cudaMalloc
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_prefix_cache_hit_on_the_device(checkpoints, deterministic):
+    """A hit inside a compression group, the window wrapped, restored on the GPU: bitwise the cold run
+    in deterministic mode, within 1e-4 (and the same greedy tokens) in the default one."""
+    from tests.test_prefix_cache import clobber, full_logprobs, make_engine, run
+
+    model = load_model(checkpoints["v41"], device="cuda")
+    prompt = random_tokens(90, seed=37)
+    cold_engine, cold = make_engine(model, deterministic=deterministic, device="cuda")
+    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
+    engine, warm = make_engine(model, deterministic=deterministic, device="cuda")
+    run(engine, warm, [Request("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    clobber(engine, warm)
+    run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
+    assert warm.cached("warm") == 37 and warm.tokens("warm") == cold.tokens("cold")
+    if deterministic:
+        assert warm.logprobs("warm") == cold.logprobs("cold")
+    else:
+        for a, b in zip(warm.logprobs("warm"), cold.logprobs("cold"), strict=True):
+            assert max(abs(x - y) for (_, x), (_, y) in zip(sorted(a.top), sorted(b.top), strict=True)) < 1e-4
