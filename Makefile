@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TINY := checkpoints/tiny
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: serve test test-gpu tiny-model install clean
+.PHONY: serve plan test test-gpu tiny-model install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ tiny-model: $(TINY)/config.json
 
 serve: $(VENV)/.installed $(TINY)/config.json
 	$(PY) -m server $(ARGS)
+
+# the memory plan of a rig, without serving: make plan CONFIG=configs/rtxpro6000x4.yaml [ARGS="--set k=v"]
+CONFIG ?= configs/cpu-tiny.yaml
+plan: $(VENV)/.installed
+	$(PY) -m server plan --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

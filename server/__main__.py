@@ -1,9 +1,12 @@
 """`python -m server`: serve a DeepSeek-V4 checkpoint over an OpenAI-compatible HTTP API.
 
     python -m server [--model DIR] [--config YAML] [--set key=value ...] [--host H] [--port P]
+    python -m server plan --config YAML [--set key=value ...]   # the memory plan only (server/plan.py)
 
 Without --model (and no model.path in the YAML) it serves the embedded tiny default, building it
-first if absent.
+first if absent. Logs go to stderr as text or, with `--log-format json`, one JSON object per line
+(server/logging_setup.py). A config that asks for a feature this version does not run is refused
+before anything starts (server/features.py).
 
 SIGTERM or SIGINT drains: /health and /ready turn 503 at once, new completions get 503, in-flight
 ones get `server.drain_timeout_s` to finish (streams still running then end with an error frame and
@@ -13,10 +16,11 @@ ones get `server.drain_timeout_s` to finish (streams still running then end with
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from server.config import FLAG_KEYS, ConfigFileError, load_config
+from server.features import unbuilt_features
+from server.logging_setup import configure_logging
 
 SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
 
@@ -43,13 +47,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from server.plan import main as plan
+
+        return plan(argv[1:])
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.set, {flag: getattr(args, flag) for flag in FLAG_KEYS})
     except ConfigFileError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    unbuilt = unbuilt_features(config)
+    if unbuilt:
+        print("cannot start: not built in this version: " + "; ".join(map(str, unbuilt)), file=sys.stderr)
+        return 2
+    try:
+        secrets = config.api_keys(args.api_key)
+    except OSError as exc:
+        print(f"config error: server.api_key_file: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, config.server.log_format, secrets)
     import uvicorn
 
     from server.draining import DrainingServer
@@ -62,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server_config = uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,  # uvicorn logs through our root handler
     )
     DrainingServer(server_config, app.state.lifecycle).run()
     return 0

@@ -33,6 +33,10 @@ class ModelSection(Section):
     served_name: str | None = None
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # none: every weight dequantized at load into `dtype` (what this version serves); checkpoint: FP8 / MXFP4
+    # weights kept as the checkpoint stores them (the GPU fast path, issue 8: `plan` counts them so, serving
+    # refuses it until then)
+    quantization: Literal["none", "checkpoint"] = "none"
 
 
 class ServerSection(Section):
@@ -44,6 +48,7 @@ class ServerSection(Section):
     # after SIGTERM, how long in-flight requests may finish before streams are cut off (error frame)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     max_body_bytes: int = Field(default=32 * 2**20, gt=0)  # larger request bodies get 413
+    log_format: Literal["text", "json"] = "text"  # json: one object per line, with the request id when known
 
 
 class SchedulerSection(Section):
@@ -66,6 +71,9 @@ class MemorySection(Section):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     host_memory_gb: float = Field(default=8.0, gt=0)
     num_kv_pages: int | None = Field(default=None, gt=0)  # pin the KV page count (skips the budget)
+    # memory of one GPU of the rig (GiB): `python -m server plan` needs it, as it runs without the GPU;
+    # serving measures the device it runs on instead
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
 
 
 class ParallelSection(Section):
@@ -95,6 +103,14 @@ class MetricsSection(Section):
     vllm_compat: bool = True
 
 
+class OffloadSection(Section):
+    """What leaves the GPU for rigs whose GPUs cannot hold the model: neither is built yet, so `plan`
+    and serving refuse anything but none (server/features.py)."""
+
+    experts: Literal["none", "host", "disk"] = "none"  # routed experts in host RAM / on NVMe, streamed per step
+    kv: Literal["none", "host_packed"] = "none"  # compressed KV packed FP4 in host RAM with a GPU hot ring
+
+
 class ServeConfig(Section):
     model: ModelSection = ModelSection()
     server: ServerSection = ServerSection()
@@ -104,6 +120,7 @@ class ServeConfig(Section):
     runtime: RuntimeSection = RuntimeSection()
     engram: EngramSection = EngramSection()
     metrics: MetricsSection = MetricsSection()
+    offload: OffloadSection = OffloadSection()
 
     @property
     def model_dir(self) -> Path:
@@ -132,6 +149,7 @@ FLAG_KEYS = {
     "dtype": "model.dtype",
     "host": "server.host",
     "port": "server.port",
+    "log_format": "server.log_format",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "block_size": "scheduler.block_tokens",

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from server.logging_setup import REQUEST_ID as LOGGED_REQUEST_ID
 from server.protocol import error_body
 
 Scope = MutableMapping[str, Any]
@@ -70,16 +71,19 @@ class RequestIds:
                 message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]}
             await send(message)
 
-        if given is not None and not valid:
-            return await send_error(send_with_id, 400, "x-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
-                                    "invalid_request_error", "x-request-id")
+        logged = LOGGED_REQUEST_ID.set(request_id)  # every log line of this request carries it
         try:
+            if given is not None and not valid:
+                return await send_error(send_with_id, 400, "x-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                                        "invalid_request_error", "x-request-id")
             await self.app(scope, receive, send_with_id)
         except Exception:
             if started:
                 raise  # too late for an error body; the server closes the connection
             log.exception("unhandled error in %s %s (request %s)", scope["method"], scope["path"], request_id)
             await send_error(send_with_id, 500, "internal server error", "internal_server_error")
+        finally:
+            LOGGED_REQUEST_ID.reset(logged)
 
 
 class BearerKeys:

@@ -59,7 +59,9 @@ class Outbox:
 
 def run_engine_process(config: ServeConfig, requests_address: str, outputs_address: str, log_level: int) -> None:
     """The process entry point. Exit code 0 after a shutdown or a lost front end, 1 after a failure."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.logging_setup import configure_logging  # stdlib only: the same lines as the front end's
+
+    configure_logging(log_level, config.server.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
     context = zmq.Context()
     outbox = Outbox(context, outputs_address)

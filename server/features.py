@@ -1,0 +1,45 @@
+"""Config settings that name features this version does not run yet, in one place.
+
+Two kinds, because `python -m server plan` treats them differently:
+- *plannable*: the memory arithmetic is known even though the engine does not run it yet (tensor
+  parallelism shards as issue 9 describes; FP8 / MXFP4 weights take the bytes the checkpoint stores).
+  `plan` computes the rig with them and lists them under "needs"; serving refuses them.
+- *unplannable*: offload, whose split between GPU, host RAM and NVMe is not designed yet. Nothing can
+  be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does serving.
+Each entry names the YAML key, so the message says what to change. The issues that bring a feature
+delete its entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.config import ServeConfig
+
+
+@dataclass(frozen=True)
+class Unbuilt:
+    key: str  # the YAML key that asks for it
+    what: str  # what it asks for, and which issue brings it
+    plannable: bool
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.what}"
+
+
+def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
+    """The settings of `config` that this version cannot serve."""
+    found = []
+    if config.parallel.tensor_parallel_size > 1:
+        what = f"{config.parallel.tensor_parallel_size} ranks need the tensor-parallel pool (issue 9)"
+        found.append(Unbuilt("parallel.tensor_parallel_size", what, True))
+    if config.model.quantization == "checkpoint":
+        found.append(Unbuilt("model.quantization",
+                             "FP8 / MXFP4 weights kept as stored need the GPU fast path (issue 8)", True))
+    if config.offload.experts != "none":
+        found.append(Unbuilt("offload.experts",
+                             f"{config.offload.experts!r}: expert offload is not built yet (a later issue)", False))
+    if config.offload.kv != "none":
+        found.append(Unbuilt("offload.kv",
+                             f"{config.offload.kv!r}: packed host KV is not built yet (issue 10)", False))
+    return found

@@ -1,0 +1,350 @@
+"""`python -m server plan --config X`: a rig's memory plan, every byte by purpose, without serving.
+
+Runs on any machine (no GPU, no weights): the model comes from config.json on the meta device
+(server/plan_weights.py), the rig from the YAML (`memory.gpu_memory_gb` stands in for the device the
+server would measure). The KV arithmetic is scheduler/admission.py's, the one the engine uses at start:
+
+    KV pages = (budget - weights - workspace - slot state) / page bytes,  per rank
+
+Measured vs estimated: weights, page and slot bytes are exact (the same tensors the engine allocates,
+on the meta device); the workspace is an estimate (logits buffers exactly, activations per token of
+the largest step), which the server replaces with the peak of a profiled step when it starts.
+Engram tables are planned in their tiers (gpu: split across ranks; host: whole tables in RAM; disk:
+files on NVMe with host and device row caches), at the release's row format: fp8 values and one ue8m0
+scale per 32 channels.
+
+Exit status: 0 the rig fits; 1 it does not (the message says by how much and what to change, or which
+unbuilt feature it names, server/features.py); 2 the config itself is wrong (names the key and file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.cache import ModelCache, page_granularity
+from models.config import ConfigError, ModelConfig
+from models.engram_hash import EngramLayout
+from scheduler.admission import MemoryPlan, MemoryPlanError, plan_pages
+from server.config import (
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    ConfigFileError,
+    OffloadSection,
+    ServeConfig,
+    load_config,
+)
+from server.features import Unbuilt, unbuilt_features
+from server.plan_weights import KINDS, WeightTensor, weight_tensors
+from worker.engine_factory import max_model_len, resolve_dtype
+
+GiB = 2**30
+MODELS_DIR = REPO_ROOT / "configs" / "models"
+FP32 = 4  # logits and activations are float32
+
+
+class PlanRefused(Exception):
+    """The rig cannot run this config; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class EngramPlan:
+    """Where each Engram table lives and what it costs in each tier."""
+
+    layers: tuple[tuple[int, int, str], ...]  # (layer id, rows, residency)
+    row_bytes: int  # values + scales of one row
+    device_bytes: int  # per rank: gpu-resident tables (split across ranks) and the device row cache
+    host_bytes: int  # host-resident tables, the host row cache, resident scales
+    disk_bytes: int  # table files of disk-resident layers (excluding page padding)
+
+
+@dataclass(frozen=True)
+class RigPlan:
+    config_path: Path
+    model_json: Path
+    model_config: ModelConfig
+    device: str
+    ranks: int
+    dtype: torch.dtype
+    quantization: str
+    weights: tuple[WeightTensor, ...]
+    engram: EngramPlan | None
+    activations_bytes: int  # estimate
+    logits_bytes: int  # the runner's logits buffer (and the prefix cache's last logits)
+    max_model_len: int
+    max_num_seqs: int
+    kv: MemoryPlan
+    host_budget_bytes: int
+    needs: tuple[str, ...]  # unbuilt features the plan assumes
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(t.nbytes for t in self.weights)
+
+    @property
+    def weights_per_rank(self) -> int:
+        return sum(t.per_rank(self.ranks) for t in self.weights)
+
+
+def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
+    """The config.json the plan reads: --model-config, else the checkpoint's, else the published one
+    shipped under configs/models/<checkpoint directory name>/ (the checkpoint is on the rig, not here)."""
+    if override:
+        return Path(override)
+    if config.model.path is None:
+        from server.launch import ensure_default_model
+
+        ensure_default_model(config.model_dir)
+    for candidate in (config.model_dir / "config.json", MODELS_DIR / config.model_dir.name / "config.json"):
+        if candidate.exists():
+            return candidate
+    shipped = MODELS_DIR / config.model_dir.name
+    raise ConfigFileError(f"model.path: no config.json in {config.model_dir} nor in {shipped}")
+
+
+def plan_device(config: ServeConfig) -> str:
+    """runtime.device; "auto" plans a GPU rig when the YAML gives the GPU's memory (serving asks torch)."""
+    wanted = config.runtime.device
+    if wanted == "auto":
+        return "cuda" if config.memory.gpu_memory_gb else "cpu"
+    if wanted == "cuda" and not config.memory.gpu_memory_gb:
+        raise ConfigFileError("memory.gpu_memory_gb: planning a cuda rig needs the memory of one GPU (GiB)")
+    return wanted
+
+
+def engram_plan(model_config: ModelConfig, config: ServeConfig, device: str, ranks: int) -> EngramPlan | None:
+    spec = model_config.engram
+    if spec is None:
+        return None
+    rows = spec.num_embeddings
+    if not all(rows):
+        layout = EngramLayout.build(list(spec.layer_ids), spec.max_ngram, spec.n_heads, spec.prime_search_start)
+        rows = layout.num_embeddings
+    scale_bytes = spec.head_dim // 32
+    row_bytes = spec.head_dim + scale_bytes
+    section = config.engram
+    layers = tuple((layer, n, section.layers[layer].residency if layer in section.layers else section.residency)
+                   for layer, n in zip(spec.layer_ids, rows))
+    table = {tier: sum(n for _, n, r in layers if r == tier) * row_bytes for tier in ("gpu", "host", "disk")}
+    disk_rows = sum(n for _, n, r in layers if r == "disk")
+    caches = disk_rows > 0
+    device_bytes = -(-table["gpu"] // ranks) + (int(section.gpu_cache_gb * GiB) if caches else 0)
+    host_bytes = table["host"] + (int(section.host_cache_gb * GiB) if caches else 0)
+    host_bytes += disk_rows * scale_bytes if section.resident_scales else 0
+    if device == "cpu":  # the compute device is the host: every resident byte is RAM
+        host_bytes, device_bytes = host_bytes + device_bytes, 0
+    return EngramPlan(layers, row_bytes, device_bytes, host_bytes, table["disk"])
+
+
+def workspace_estimate(model_config: ModelConfig, config: ServeConfig) -> tuple[int, int]:
+    """(activations, logits buffers) of the largest step. Activations: float32, one layer at a time,
+    per token: the mHC streams (3 copies), then the larger of attention (queries and output, window +
+    top-k scores and probabilities, indexer queries and scores) and the MoE (each chosen expert's
+    gate/up/hidden rows). Logits: the runner's buffer, and with the prefix cache each slot's last row."""
+    m, sched = model_config, config.scheduler
+    streams = 3 * m.hc_mult * m.hidden_size
+    attention = 2 * m.num_heads * m.head_dim + 2 * m.num_heads * (m.sliding_window + m.index_topk)
+    attention += m.index_n_heads * (m.index_head_dim + m.index_topk)
+    moe = m.num_experts_per_tok * 3 * m.moe_intermediate_size + 2 * m.hidden_size
+    activations = sched.max_num_batched_tokens * FP32 * (streams + max(attention, moe))
+    logits = max(sched.max_num_batched_tokens, sched.max_num_seqs) * m.vocab_size * FP32
+    if sched.snapshot_slots:
+        logits += (sched.max_num_seqs + sched.snapshot_slots) * m.vocab_size * FP32
+    return activations, logits
+
+
+def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dtype, max_len: int) -> tuple[int, int]:
+    """(bytes per page, fixed state of every slot): the engine's own cache, allocated on the meta device."""
+    sched = config.scheduler
+    unit = page_granularity(model_config)
+    if sched.block_tokens % unit:
+        raise ConfigFileError(f"scheduler.block_tokens {sched.block_tokens} must be a multiple of {unit} for this"
+                              " model (its compress rates)")
+    cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
+                                device="meta", num_pages=1, block_tokens=sched.block_tokens)
+    return cache.page_bytes(), cache.slot_bytes()
+
+
+def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigPlan:
+    """Raises PlanRefused when the rig cannot hold the config, ConfigFileError when the config is wrong."""
+    unplannable = [f for f in unbuilt_features(config) if not f.plannable]
+    if unplannable:
+        raise PlanRefused(_without(config, config_path, model_json, unplannable))
+    device, ranks = plan_device(config), config.parallel.tensor_parallel_size
+    dtype = resolve_dtype(config, device)
+    try:
+        model_config, weights = weight_tensors(model_json, config.model.quantization, dtype)
+    except ConfigError as exc:
+        raise ConfigFileError(str(exc)) from None
+    max_len = max_model_len(config, model_config)
+    page_bytes, slot_state = cache_bytes(model_config, config, dtype, max_len)
+    activations, logits = workspace_estimate(model_config, config)
+    engram = engram_plan(model_config, config, device, ranks)
+    budget, host_budget = budgets(config, device, ranks)
+    fixed = sum(t.per_rank(ranks) for t in weights) + (engram.device_bytes if engram else 0)
+    if device == "cpu" and engram:  # the host's RAM is the compute device's memory
+        fixed += engram.host_bytes // ranks
+    name = model_json.parent.name
+    _check_fixed(name, config, device, budget, fixed, activations + logits, slot_state, weights)
+    try:
+        kv = plan_pages(
+            device=device, budget=budget, weights=fixed, workspace=activations + logits, slot_state=slot_state,
+            page_bytes=page_bytes, block_tokens=config.scheduler.block_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_len, pinned_pages=config.memory.num_kv_pages,
+        )
+    except MemoryPlanError as exc:
+        raise PlanRefused(f"{name}: {exc}") from None
+    if device == "cuda" and engram and engram.host_bytes > host_budget:
+        raise PlanRefused(
+            f"the Engram tiers need {_size(engram.host_bytes)} of host RAM, memory.host_memory_gb"
+            f" is {config.memory.host_memory_gb:g}: lower engram.host_cache_gb, keep fewer tables at residency host"
+            " (engram.residency: disk), or raise memory.host_memory_gb"
+        )
+    needs = tuple(str(f) for f in unbuilt_features(config))
+    return RigPlan(config_path, model_json, model_config, device, ranks, dtype, config.model.quantization,
+                   tuple(weights), engram, activations, logits, max_len, config.scheduler.max_num_seqs, kv, host_budget,
+                   needs)
+
+
+def budgets(config: ServeConfig, device: str, ranks: int) -> tuple[int, int]:
+    """(bytes each rank may fill, host RAM): a share of one GPU as the engine takes it
+    (worker/memory_plan.py), or on the CPU the host's RAM split among the ranks."""
+    host = int(config.memory.host_memory_gb * GiB)
+    if device == "cuda":
+        return int(config.memory.gpu_memory_gb * GiB * config.memory.gpu_memory_utilization), host
+    return host // ranks, host
+
+
+def _check_fixed(name: str, config: ServeConfig, device: str, budget: int, fixed: int, workspace: int,
+                 slot_state: int, weights: list[WeightTensor]) -> None:
+    """Refuses, with the shortfall and what would close it, a rig whose fixed bytes leave no room for KV."""
+    needed = fixed + workspace + slot_state
+    if needed <= budget:
+        return
+    ranks, memory = config.parallel.tensor_parallel_size, config.memory
+    experts = sum(t.per_rank(ranks) for t in weights if t.kind == "routed experts")
+    if device == "cuda":
+        where = (f"memory.gpu_memory_gb {memory.gpu_memory_gb:g} x memory.gpu_memory_utilization"
+                 f" {memory.gpu_memory_utilization:g}")
+        fixes = ["more or larger GPUs (parallel.tensor_parallel_size, memory.gpu_memory_gb)"]
+    else:
+        where = f"memory.host_memory_gb {memory.host_memory_gb:g} over {ranks} rank(s)"
+        fixes = ["more RAM (memory.host_memory_gb)"]
+    if config.model.quantization == "none":
+        fixes.append("weights kept as stored (model.quantization: checkpoint)")
+    fixes.append("expert offload (offload.experts), which is not built yet")
+    raise PlanRefused(
+        f"{name} does not fit: per rank, weights and resident Engram {_size(fixed)} + workspace {_size(workspace)}"
+        f" + slot state {_size(slot_state)} = {_size(needed)}, over the budget of {_size(budget)} ({where}) by"
+        f" {_size(needed - budget)}, before any KV page. Routed experts are {_size(experts)} of it; it needs "
+        + ", or ".join(fixes)
+    )
+
+
+def _without(config: ServeConfig, config_path: Path, model_json: Path, unplannable: list[Unbuilt]) -> str:
+    """Why an unbuilt feature stops the plan, and whether the rig would fit without it."""
+    asked = "; ".join(str(f) for f in unplannable)
+    try:
+        build_plan(config.model_copy(update={"offload": OffloadSection()}), config_path, model_json)
+    except PlanRefused as exc:
+        return f"{asked}; so it cannot be planned with it, and without it {exc}"
+    return f"{asked}; without it the rig fits (set it to none)"
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _gib(n: int) -> str:
+    return f"{_size(n):>12}"
+
+
+def describe(plan: RigPlan) -> str:
+    """The plan as a person reads it: one line per purpose."""
+    m, kv, r = plan.model_config, plan.kv, plan.ranks
+    used = kv.weights_bytes + kv.workspace_bytes + kv.slot_state_bytes + kv.kv_bytes
+    held = "as stored (FP8 / MXFP4)" if plan.quantization == "checkpoint" else f"dequantized to {str(plan.dtype)[6:]}"
+    lines = [
+        f"memory plan for {plan.config_path}",
+        f"model       {plan.model_json.parent.name} ({m.model_type}, {m.num_layers} layers) from {plan.model_json}",
+        (f"rig         {r} x {plan.device}, budget {_size(kv.budget_bytes)} per rank;"
+         f" host RAM {_size(plan.host_budget_bytes)}"),
+        (f"weights     {_size(plan.weights_bytes)} ({plan.weights_bytes:,} bytes on the meta device), {held};"
+         f" per rank {_size(plan.weights_per_rank)}"),
+    ]
+    for kind, _ in KINDS:
+        group = [t for t in plan.weights if t.kind == kind]
+        if group:
+            total, per_rank = sum(t.nbytes for t in group), sum(t.per_rank(r) for t in group)
+            lines.append(f"  {kind:<22}{_gib(total)}   per rank {_gib(per_rank)}")
+    lines += [
+        "per rank",
+        f"  weights               {_gib(plan.weights_per_rank)}",
+        f"  Engram (resident)     {_gib(kv.weights_bytes - plan.weights_per_rank)}   tables, row caches in this memory",
+        (f"  workspace (estimate)  {_gib(plan.activations_bytes + plan.logits_bytes)}   activations"
+         f" {_size(plan.activations_bytes)} + logits {_size(plan.logits_bytes)}; the server measures it at start"),
+        f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot",
+        (f"  KV                    {_gib(kv.kv_bytes)}   {kv.num_pages:,} pages x {kv.page_bytes:,} B"
+         f" = {kv.num_pages * kv.block_tokens:,} tokens ({kv.page_bytes / kv.block_tokens:,.0f} B per token)"),
+        f"  sequences             {_sequences(plan)}",
+        f"  free                  {_gib(kv.budget_bytes - used)}",
+    ]
+    lines += _engram_lines(plan)
+    lines.append("needs       " + ("; ".join(plan.needs) if plan.needs else "nothing unbuilt"))
+    lines.append("fits        yes")
+    return "\n".join(lines)
+
+
+def _sequences(plan: RigPlan) -> str:
+    per_sequence = -(-plan.max_model_len // plan.kv.block_tokens)
+    full = min(plan.kv.num_pages // per_sequence, plan.max_num_seqs)
+    return (f"{full} of scheduler.max_num_seqs {plan.max_num_seqs} can reach model.max_model_len"
+            f" {plan.max_model_len:,} at once")
+
+
+def _engram_lines(plan: RigPlan) -> list[str]:
+    e = plan.engram
+    if e is None:
+        return ["Engram      none (this model has no Engram layers)"]
+    tiers = ", ".join(f"layer {layer}: {rows:,} rows on {residency}" for layer, rows, residency in e.layers)
+    return [
+        f"Engram      {tiers}; {e.row_bytes} B per row",
+        f"  host RAM              {_gib(e.host_bytes)}   resident tables, row cache, resident scales",
+        f"  NVMe                  {_gib(e.disk_bytes)}   table files of disk-resident layers",
+    ]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m server plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="rig YAML (default configs/cpu-tiny.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
+    parser.add_argument("--model-config",
+                        help="config.json to plan with (default: the checkpoint's, else configs/models/<its name>/)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    config_path = Path(args.config) if args.config else DEFAULT_CONFIG
+    try:
+        config = load_config(config_path, args.set)
+        plan = build_plan(config, config_path, model_config_json(config, args.model_config))
+    except ConfigFileError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except PlanRefused as exc:
+        print(f"refused: {config_path}: {exc}", file=sys.stderr)
+        return 1
+    print(describe(plan))
+    return 0
+
+
+__all__ = ["PlanRefused", "RigPlan", "build_plan", "describe", "main", "model_config_json"]

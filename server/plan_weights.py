@@ -1,0 +1,127 @@
+"""Weight bytes of a checkpoint's model, counted on torch's meta device from config.json alone.
+
+The model is instantiated from config.json on the meta device, so the parameter list is the serving
+code's own (models/), not a hand formula that drifts from it; no weight is read. A parameter's bytes
+follow the format the server holds it in (`model.quantization`):
+- none: the loader's dtype rule (models/loader.py): the serving dtype, float32 where the release keeps
+  float32 (norms, mHC, sinks, biases, Engram fusion). This is what the engine of this version loads.
+- checkpoint: as the release stores it, per config.json's `quantization_config`: routed experts MXFP4
+  (`expert_dtype` fp4: E2M1 pairs plus one ue8m0 scale per 32) or FP8; the attention projections, the
+  shared expert and Engram's wkv FP8 e4m3 with one scale per `weight_block_size` block (ue8m0: 1 byte,
+  else float32); everything else as `none` holds it. That split reproduces the published V4.1-Flash
+  safetensors headers group by group (tests/test_deploy_plan.py).
+Engram tables are not weights here: they live in their own tiers (server/plan.py).
+
+Across tensor-parallel ranks, the sharding of issue 9: routed experts (expert parallel), the q / o
+projections, the shared expert, the embedding and the head are split; everything else is replicated.
+Lives in server/ only as the `plan` command's helper: it touches torch, but only on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.config import ConfigError, ModelConfig
+from models.loader import (
+    _target_dtype,  # the loader's own dtype rule, so both count the same bytes
+)
+from models.model import DeepseekV4
+from models.model_v41 import DeepseekV41
+
+# (kind, name fragments), first match wins; names are transformers' module names (models/).
+KINDS = (
+    ("routed experts", (".mlp.experts.",)),
+    ("shared expert", (".mlp.shared_experts.",)),
+    ("router", (".mlp.gate.",)),
+    ("compressor / indexer", (".self_attn.compressor.", ".self_attn.indexer.")),
+    ("attention", (".self_attn.",)),
+    ("Engram fusion", (".engram.",)),
+    ("embedding / head", ("embed_tokens.", "lm_head.")),
+    ("norms / mHC", ("",)),
+)
+ATTENTION_PROJECTIONS = tuple(f".self_attn.{p}_proj.weight" for p in ("q_a", "q_b", "kv", "o_a", "o_b"))
+FP8_STORED = ATTENTION_PROJECTIONS + (".mlp.shared_experts.", ".engram.wkv.weight")
+SHARDED = (".mlp.experts.", ".self_attn.q_b_proj.", ".self_attn.o_a_proj.", ".self_attn.o_b_proj.",
+           ".mlp.shared_experts.", "embed_tokens.", "lm_head.")
+MX_BLOCK = 32  # MXFP4: one power-of-two scale per 32 values
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How a checkpoint stores its quantized weights (config.json's quantization_config)."""
+
+    fp8_block: tuple[int, int] | None  # None: no FP8 weights
+    scale_bytes: int  # per FP8 block scale: ue8m0 1, float32 4
+    experts: str  # "fp4", "fp8" or "dense" (as the other weights)
+
+    @classmethod
+    def of(cls, raw: dict[str, Any], where: Path) -> StoredFormat:
+        quant = raw.get("quantization_config")
+        if quant is None:
+            return cls(None, 4, "dense")
+        if quant.get("quant_method") != "fp8":
+            raise ConfigError(f"{where}: quantization_config.quant_method {quant.get('quant_method')!r} is not 'fp8'")
+        block = tuple(quant.get("weight_block_size") or (128, 128))
+        expert_dtype = quant.get("expert_dtype", raw.get("expert_dtype", "fp8"))
+        if len(block) != 2 or expert_dtype not in ("fp4", "fp8"):
+            raise ConfigError(f"{where}: quantization_config: weight_block_size {list(block)} / expert_dtype"
+                              f" {expert_dtype!r} (expected two block sides and fp4 or fp8)")
+        return cls((int(block[0]), int(block[1])), 1 if quant.get("scale_fmt") == "ue8m0" else 4, expert_dtype)
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    name: str
+    kind: str
+    nbytes: int
+    sharded: bool
+
+    def per_rank(self, ranks: int) -> int:
+        return -(-self.nbytes // ranks) if self.sharded else self.nbytes
+
+
+def kind_of(name: str) -> str:
+    return next(kind for kind, fragments in KINDS if any(f in name for f in fragments))
+
+
+def meta_model(config: ModelConfig) -> torch.nn.Module:
+    """The serving model with every tensor on the meta device: shapes and dtypes, no storage."""
+    with torch.device("meta"):
+        return DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
+
+
+def meta_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers, each once (a tied head is the embedding, as the loader makes it)."""
+    tied = model.config.tie_word_embeddings
+    return [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if not (tied and n == "lm_head.weight")]
+
+
+def stored_bytes(name: str, tensor: torch.Tensor, fmt: StoredFormat, dtype: torch.dtype) -> int:
+    """Bytes of one parameter as the checkpoint stores it."""
+    if fmt.experts == "fp4" and ".mlp.experts." in name:
+        return tensor.numel() // 2 + tensor.numel() // MX_BLOCK
+    if fmt.fp8_block and (".mlp.experts." in name or any(f in name for f in FP8_STORED)) and tensor.dim() >= 2:
+        rows, cols = tensor.shape[-2:]
+        blocks = -(-rows // fmt.fp8_block[0]) * -(-cols // fmt.fp8_block[1])
+        return tensor.numel() + tensor.numel() // (rows * cols) * blocks * fmt.scale_bytes
+    return tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
+
+
+def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype) -> tuple[ModelConfig, list[WeightTensor]]:
+    """Every weight of the model that `config_json` describes, with its bytes in the held format."""
+    model_config = ModelConfig.from_file(config_json)
+    fmt = StoredFormat.of(json.loads(config_json.read_text()), config_json) if quantization == "checkpoint" else None
+    out = []
+    for name, tensor in meta_tensors(meta_model(model_config)):
+        if fmt is None:
+            nbytes = tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
+        else:
+            nbytes = stored_bytes(name, tensor, fmt, dtype)
+        out.append(WeightTensor(name, kind_of(name), nbytes, any(f in name for f in SHARDED)))
+    return model_config, out
