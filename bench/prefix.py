@@ -14,6 +14,15 @@ same prompt in the same run. Lines:
   {"bench": "prefix_summary", "thinking", "hit_rate" (cached / prompt tokens over turns 2..N),
    "turn1_ttft_ms", "followup_ttft_ratio_max", "machine", "commit"}
 Goal (issue 7): every follow-up's TTFT <= 10% of the cold prefill of its prompt.
+
+    python -m bench.prefix --state-costs
+
+prints what decided the design of scheduler/prefix_cache.py (state points where requests diverge,
+not a snapshot at every page): per model, the bytes of one slot's fixed state (what a snapshot
+copies) against the bytes of one page of KV, from config.json alone (the cache is allocated on the
+meta device), and for the tiny model on this machine the time to copy a snapshot against the time to
+compute one page of tokens. Lines: {"bench": "prefix_state", "model", "snapshot_bytes",
+"page_bytes", "block_tokens", "snapshot_over_page", "copy_ms", "compute_page_ms"}.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from pathlib import Path
 import httpx
 import openai
 
+import torch
+
+from models import ModelCache, ModelConfig, load_model
 from models.tiny import CORPUS, build_tiny_checkpoint
 from tests.serving import running_server
 
@@ -88,6 +100,41 @@ def conversation(client: openai.OpenAI, doc: str, args: argparse.Namespace, thin
     return rows
 
 
+def state_costs(block_tokens: int = 128) -> None:
+    """Snapshot bytes against page bytes per model; copy against compute time for the tiny one."""
+    repo = Path(__file__).resolve().parent.parent
+    models = {path.parent.name: path for path in sorted((repo / "configs" / "models").glob("*/config.json"))}
+    for name, path in models.items():
+        config = ModelConfig.from_file(path)
+        cache = ModelCache.allocate(config, 1, block_tokens, dtype=torch.bfloat16, device="meta", num_pages=1,
+                                    block_tokens=block_tokens)
+        snapshot = sum(t[0].numel() * t.element_size() for t in cache.fixed_tensors())
+        print(json.dumps({"bench": "prefix_state", "model": name, "snapshot_bytes": snapshot,
+                          "page_bytes": cache.page_bytes(), "block_tokens": block_tokens,
+                          "snapshot_over_page": snapshot / cache.page_bytes()}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="ds4serve-bench-") as tmp:
+        from models.batch import ForwardBatch
+
+        model = load_model(build_tiny_checkpoint(Path(tmp) / "tiny"))
+        cache = ModelCache.allocate(model.config, 2, 8 * block_tokens, block_tokens=block_tokens)
+        tokens = [7 + (i * 37) % 500 for i in range(4 * block_tokens)]
+        model(ForwardBatch.build([(0, tokens[: 3 * block_tokens], 0)]), cache)
+        start = time.perf_counter()
+        for _ in range(100):
+            cache.copy_slots([0], [1])
+        copy_ms = 1000 * (time.perf_counter() - start) / 100
+        compute = []
+        for _ in range(5):
+            start = time.perf_counter()
+            model(ForwardBatch.build([(1, tokens[3 * block_tokens :], 3 * block_tokens)]), cache)
+            compute.append(1000 * (time.perf_counter() - start))
+        snapshot = sum(t[0].numel() * t.element_size() for t in cache.fixed_tensors())
+        print(json.dumps({"bench": "prefix_state", "model": "tiny (measured, float32, CPU)",
+                          "snapshot_bytes": snapshot, "page_bytes": cache.page_bytes(), "block_tokens": block_tokens,
+                          "snapshot_over_page": snapshot / cache.page_bytes(), "copy_ms": copy_ms,
+                          "compute_page_ms": statistics.median(compute)}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--history-tokens", type=int, default=8192)
@@ -95,7 +142,11 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--thinking", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--state-costs", action="store_true", help="print the snapshot / page figures only")
     args = parser.parse_args()
+    if args.state_costs:
+        state_costs()
+        return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = platform.processor() or platform.machine()
     max_len = args.history_tokens + args.turns * (args.answer_tokens + 64) + 1024
