@@ -6,6 +6,9 @@ engine-side state never travels), "abort" (a request id), "shutdown". Engine -> 
 engine cannot go on; its process exits after sending it). orjson writes dataclasses as objects and
 tuples as arrays; the decoders below rebuild them. orjson also writes non-finite floats as null: the
 only one a logprob holds is -inf, so a null logprob reads back as -inf.
+
+Step plans travel the same way from tensor-parallel rank 0 to the other ranks (`encode_plan` /
+`decode_plan`): one orjson object per step, no pickling on the hot path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import orjson
 
 from scheduler.engine_core import EngineStats
+from scheduler.plan import ScheduledChunk, StateCopy, StepPlan
 from scheduler.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from scheduler.scheduler import SchedulerLimits
 
@@ -127,3 +131,21 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], ToEngine | FromEngine]] = {
     "stats": lambda body: EngineStats(**{**body, "engram_wait_buckets": tuple(body.get("engram_wait_buckets", ()))}),
     "failed": lambda body: EngineFailed(**body),
 }
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    return orjson.dumps(plan)
+
+
+def decode_plan(frame: bytes) -> StepPlan:
+    body = orjson.loads(frame)
+    chunks = tuple(
+        ScheduledChunk(**{**_fields(chunk), "params": SamplingParams(**_fields(chunk["params"]))})
+        for chunk in body["chunks"]
+    )
+    return StepPlan(
+        chunks=chunks,
+        saves=tuple(StateCopy(**copy) for copy in body["saves"]),
+        restores=tuple(StateCopy(**copy) for copy in body["restores"]),
+        page_copies=_tuples(body["page_copies"]),
+    )

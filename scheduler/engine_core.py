@@ -52,6 +52,7 @@ class EngineStats:
     engram_wait_count: int = 0
     engram_wait_sum_s: float = 0.0
     engram_wait_buckets: tuple[int, ...] = ()
+    unhealthy: str | None = None  # why the executor cannot run steps now (a tensor-parallel restart)
 
 
 class EngineCore:
@@ -84,6 +85,7 @@ class EngineCore:
             running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
             pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
+            unhealthy=getattr(self.executor, "unhealthy", None),
             **engram,
         )
 
@@ -97,9 +99,16 @@ class EngineCore:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._maintain()
             self._drain_inbox(block=not self.scheduler.has_work)
             if self.scheduler.has_work:
                 self.step()
+
+    def _maintain(self) -> None:
+        """Lets the executor repair itself between steps (restart a failed tensor-parallel pool)."""
+        maintain = getattr(self.executor, "maintain", None)
+        if maintain is not None:
+            maintain()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -129,11 +138,13 @@ class EngineCore:
             result = self.executor.execute(plan)
         except Exception as exc:  # a failing step fails its requests, not the engine
             log.exception("step failed")
-            outputs = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            outputs, failed = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), True
         else:
-            outputs = self.scheduler.update(plan, result)
+            outputs, failed = self.scheduler.update(plan, result), False
         self.steps += 1
         for output in outputs:
             self.on_output(output)
+        if failed:
+            self._maintain()  # e.g. a pool whose rank died restarts before the next step
         if not self.scheduler.has_work:
             self.scheduler.check_integrity()

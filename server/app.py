@@ -122,6 +122,8 @@ def create_app(
     def unavailable() -> JSONResponse | None:
         if engine.dead_reason is not None:
             return error_response(503, engine.dead_reason, "service_unavailable")
+        if engine.stats is not None and engine.stats.unhealthy is not None:
+            return error_response(503, engine.stats.unhealthy, "service_unavailable")
         if lifecycle.draining:
             return error_response(503, "the server is shutting down", "service_unavailable")
         if not engine.ready:

@@ -78,6 +78,8 @@ class MemorySection(Section):
 
 class ParallelSection(Section):
     tensor_parallel_size: int = Field(default=1, gt=0)
+    timeout_s: float = Field(default=120.0, gt=0)  # a rank silent this long in a collective has failed
+    on_rank_failure: Literal["restart", "exit"] = "restart"  # restart the pool, or end the engine (non-zero)
 
 
 class RuntimeSection(Section):

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 
 from engram_store.store import EngramOptions
 from models import ModelConfig, load_model
@@ -20,6 +22,7 @@ from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
 from scheduler.admission import MemoryPlan, plan_pages
 from worker.memory_plan import budget_bytes, model_bytes, profile_pages, profile_workspace
 from worker.runner import ModelRunner
+from worker.tensor_parallel import WorkerPool
 
 if TYPE_CHECKING:
     from server.config import ServeConfig
@@ -70,40 +73,76 @@ class EngineConfigError(ValueError):
 
 
 def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput], None]) -> tuple[EngineCore, EngineSpec]:
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    model_dir = config.model_dir
-    model_config = ModelConfig.from_file(model_dir / "config.json")
+    """The engine over a worker pool of `parallel.tensor_parallel_size` ranks (this process is rank 0)."""
+    model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
-    block_tokens = config.scheduler.block_tokens
-    unit = page_granularity(model_config)
-    if block_tokens % unit:
-        raise EngineConfigError(
-            f"scheduler.block_tokens {block_tokens} must be a multiple of {unit} for this model (its compress rates)"
-        )
-    model = load_model(model_dir, dtype=dtype, device=device, engram=engram_options(config))
+    check_block_tokens(config, model_config)
+    pool = WorkerPool(config, partial(build_runner, config))
     sched = config.scheduler
-    plan = _memory_plan(config, model, device, max_len)
-    log.info(plan.describe())
-    runner = ModelRunner(
-        model, sched.max_num_seqs, max_len, device=device, num_pages=plan.num_pages, block_tokens=block_tokens,
-        max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots,
-    )
     limits = SchedulerLimits(
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=max_len,
         vocab_size=model_config.vocab_size,
         eos_token_ids=model_config.eos_token_ids,
-        num_pages=plan.num_pages,
-        block_tokens=block_tokens,
+        num_pages=pool.num_pages,
+        block_tokens=sched.block_tokens,
         prefix_snapshots=sched.snapshot_slots,
     )
-    engine = EngineCore(Scheduler(limits), runner, on_output)
-    log.info("engine for %s on %s (%s)", model_dir, device, dtype)
-    spec = EngineSpec(max_model_len=max_len, device=device, dtype=str(dtype).removeprefix("torch."), memory=plan)
-    return engine, spec
+    engine = EngineCore(Scheduler(limits), pool, on_output)
+    device = resolve_device(config)
+    dtype = str(resolve_dtype(config, device)).removeprefix("torch.")
+    log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype, pool.world)
+    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype, memory=pool.memory_plan)
+
+
+def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None:
+    unit = page_granularity(model_config)
+    if config.scheduler.block_tokens % unit:
+        raise EngineConfigError(
+            f"scheduler.block_tokens {config.scheduler.block_tokens} must be a multiple of {unit} for this model "
+            "(its compress rates)"
+        )
+
+
+def build_runner(
+    config: "ServeConfig", plan_group: dist.ProcessGroup | None = None, num_pages: int | None = None
+) -> tuple[ModelRunner, MemoryPlan | None]:
+    """This rank's model and runner. Without `num_pages` the memory plan sizes the cache; with several
+    ranks they agree on the smallest page count (over `plan_group`), since every rank holds the same
+    pages. A restart passes the page count the scheduler already uses."""
+    device = resolve_device(config)
+    tp = tensor_parallel() if plan_group is not None else None
+    if tp is not None and device == "cuda":
+        device = f"cuda:{tp.rank}"
+    dtype = resolve_dtype(config, device)
+    model_config = ModelConfig.from_file(config.model_dir / "config.json")
+    max_len = max_model_len(config, model_config)
+    extra = {"tp": tp} if tp is not None else {}
+    model = load_model(config.model_dir, dtype=dtype, device=device, engram=engram_options(config), **extra)
+    sched = config.scheduler
+    memory_plan = None
+    if num_pages is None:
+        memory_plan = _memory_plan(config, model, device, max_len)
+        log.info(memory_plan.describe())
+        num_pages = memory_plan.num_pages
+        if plan_group is not None:
+            agreed = torch.tensor([num_pages])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=plan_group)
+            num_pages = int(agreed.item())
+    runner = ModelRunner(
+        model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
+        max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
+        snapshot_slots=sched.snapshot_slots,
+    )
+    return runner, memory_plan
+
+
+def tensor_parallel():
+    """This rank's TensorParallel over the default (already initialised) process group."""
+    from models.parallel import TensorParallel
+
+    return TensorParallel.from_default_group()
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:

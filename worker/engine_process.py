@@ -26,7 +26,6 @@ import zmq
 from scheduler import EngineCore, EngineStats, Request, RequestOutput, RequestRejected
 from scheduler.codec import Abort, EngineFailed, EngineReady, FromEngine, Shutdown, decode, encode
 from worker.engine_factory import build_engine_core
-from worker.pool import WorkerPool
 
 if TYPE_CHECKING:
     from server.config import ServeConfig
@@ -76,11 +75,11 @@ def run_engine_process(config: ServeConfig, requests_address: str, outputs_addre
         outbox.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         failure = str(exc)
     else:
-        engine.executor = WorkerPool(engine.executor)
         outbox.send(EngineReady(limits=engine.scheduler.limits, device=spec.device, dtype=spec.dtype))
         engine.start()
         failure = serve(engine, requests, outbox)
         engine.stop()
+        engine.executor.close()  # no rank process outlives the engine
     requests.close(linger=0)
     outbox.close()
     context.term()

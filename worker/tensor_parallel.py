@@ -1,0 +1,241 @@
+"""The tensor-parallel worker pool: rank 0 in the engine process, ranks 1..N-1 in their own processes.
+
+Every step rank 0 sends the StepPlan to the other ranks once (`PlanChannel`: one broadcast over a
+CPU (gloo) group, the plan as orjson bytes, no pickling), then every rank runs the same forward; the
+model's own collectives (models/parallel.py) keep them in lockstep, and rank 0's result is the step's.
+
+Ranks are started with torch.multiprocessing's spawn context and join torch.distributed through the
+standard environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; `env://`), gloo on CPU,
+NCCL on GPU (NCCL_NVLS_ENABLE=0: no NVLink multicast), plus a gloo group for the plans either way.
+
+Faults: a rank that exits is seen by a watchdog thread at once; one that hangs makes rank 0's next
+collective fail after `parallel.timeout_s`. Either way the step in flight fails its requests with the
+reason (EngineCore), the engine reports itself unhealthy (EngineStats.unhealthy, so /health answers
+503), and `maintain()` on the engine thread restarts the pool: kills the ranks, starts new ones and
+rebuilds rank 0's runner with the same page count, so the scheduler's arithmetic still holds (or,
+with `parallel.on_rank_failure: exit`, raises, which ends the engine process non-zero). `close()`
+stops every rank, so no process outlives the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scheduler.codec import decode_plan, encode_plan
+from scheduler.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from server.config import ServeConfig
+    from worker.runner import ModelRunner
+
+log = logging.getLogger("ds4serve.tp")
+
+HEADER_BYTES = 8
+FIRST_FRAME = 64 * 1024  # most plans fit one broadcast; a longer one sends the rest in a second
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or stopped answering; the message is meant for clients."""
+
+
+class PlanChannel:
+    """Rank 0 -> every rank: one StepPlan per step (None: stop), over a gloo group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.frame = torch.zeros(FIRST_FRAME, dtype=torch.uint8)
+
+    def send(self, plan: StepPlan | None) -> None:
+        payload = b"" if plan is None else encode_plan(plan)
+        head = len(payload).to_bytes(HEADER_BYTES, "little", signed=True) if plan is not None else (-1).to_bytes(
+            HEADER_BYTES, "little", signed=True)
+        first = head + payload[: FIRST_FRAME - HEADER_BYTES]
+        self.frame[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(self.frame, src=0, group=self.group)
+        rest = payload[FIRST_FRAME - HEADER_BYTES :]
+        if rest:
+            dist.broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> StepPlan | None:
+        dist.broadcast(self.frame, src=0, group=self.group)
+        length = int.from_bytes(self.frame[:HEADER_BYTES].numpy().tobytes(), "little", signed=True)
+        if length < 0:
+            return None
+        payload = self.frame[HEADER_BYTES : HEADER_BYTES + length].numpy().tobytes()
+        if length > FIRST_FRAME - HEADER_BYTES:
+            rest = torch.empty(length - (FIRST_FRAME - HEADER_BYTES), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        return decode_plan(payload)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_group(rank: int, world: int, local_rank: int, master: tuple[str, int], device: str, timeout_s: float):
+    """Initialises torch.distributed from the standard environment; returns the plans' gloo group."""
+    os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device notes)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peers died may not close cleanly; it is dropped either way
+            log.debug("destroying the process group failed", exc_info=True)
+
+
+def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConfig", num_pages: int | None) -> None:
+    """Entry point of ranks 1..N-1: build the same runner as rank 0, then run the plans it sends."""
+    from server.logging_setup import configure_logging
+    from worker.engine_factory import build_runner, resolve_device
+
+    configure_logging(logging.INFO, config.server.log_format)
+    group = join_group(rank, world, rank, master, resolve_device(config), config.parallel.timeout_s)
+    runner, _ = build_runner(config, plan_group=group, num_pages=num_pages)
+    channel = PlanChannel(group)
+    while (plan := channel.receive()) is not None:
+        runner.execute(plan)
+    leave_group()
+
+
+class WorkerPool:
+    """The engine's executor. With one rank it is rank 0's runner behind one more call."""
+
+    def __init__(self, config: "ServeConfig", build: Callable[..., tuple["ModelRunner", object]]) -> None:
+        """`build(plan_group=..., num_pages=...)` makes this process's runner (worker/engine_factory.py)."""
+        self.config, self.build = config, build
+        self.world = config.parallel.tensor_parallel_size
+        self.processes: list[mp.Process] = []
+        self.channel: PlanChannel | None = None
+        self.unhealthy: str | None = None  # why the pool cannot run steps now
+        self.restarts = 0
+        self._dead: str | None = None  # set by the watchdog thread
+        self._generation = 0  # a watchdog only reports deaths of its own generation of ranks
+        self._watchdog: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.runner, self.memory_plan = self._start(num_pages=None)
+
+    @property
+    def num_pages(self) -> int:
+        return self.runner.cache.num_pages
+
+    def _start(self, num_pages: int | None):
+        if self.world == 1:
+            return self.build(plan_group=None, num_pages=num_pages)
+        from worker.engine_factory import resolve_device
+
+        master = ("127.0.0.1", free_port())
+        context = mp.get_context("spawn")
+        self.processes = [
+            context.Process(target=rank_main, args=(rank, self.world, master, self.config, num_pages),
+                            name=f"ds4serve-tp-rank{rank}", daemon=True)
+            for rank in range(1, self.world)
+        ]
+        for process in self.processes:
+            process.start()
+        group = join_group(0, self.world, 0, master, resolve_device(self.config), self.config.parallel.timeout_s)
+        runner, memory_plan = self.build(plan_group=group, num_pages=num_pages)
+        self.channel = PlanChannel(group)
+        self._dead = None
+        self._generation += 1
+        self._watchdog = threading.Thread(target=self._watch, args=(list(self.processes), self._generation),
+                                          daemon=True, name="ds4serve-tp-watchdog")
+        self._watchdog.start()
+        log.info("tensor-parallel pool of %d ranks (pids %s)", self.world, [p.pid for p in self.processes])
+        return runner, memory_plan
+
+    def _watch(self, processes: list[mp.Process], generation: int) -> None:
+        """Notices a rank that exits (sentinels), so an idle pool is restarted before a request fails."""
+        from multiprocessing.connection import wait
+
+        sentinels = {p.sentinel: p for p in processes}
+        while not self._closing.is_set() and sentinels and generation == self._generation:
+            for sentinel in wait(list(sentinels), timeout=0.5):
+                process = sentinels.pop(sentinel)
+                if not self._closing.is_set() and self._dead is None and generation == self._generation:
+                    self._dead = f"tensor-parallel rank {process.name[-1]} (pid {process.pid}) exited with code {process.exitcode}"
+                    self.unhealthy = self._dead
+                    log.error(self._dead)
+                return
+
+    # -- ModelExecutor ---------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._dead is not None:
+            raise RankFailure(self._dead)
+        if self.channel is not None:
+            try:
+                self.channel.send(plan)
+                return self.runner.execute(plan)
+            except RuntimeError as exc:  # a collective failed: a peer died or timed out
+                self._dead = self._dead or f"tensor-parallel step failed: {exc}"
+                self.unhealthy = self._dead
+                raise RankFailure(self._dead) from exc
+        return self.runner.execute(plan)
+
+    def maintain(self) -> None:
+        """Called by the engine thread between steps: restarts the pool after a rank failure."""
+        if self._dead is None:
+            return
+        if self.config.parallel.on_rank_failure == "exit":
+            raise RankFailure(f"{self._dead}; parallel.on_rank_failure is 'exit'")
+        reason = self._dead
+        self.unhealthy = f"restarting the tensor-parallel pool after: {reason}"
+        started = time.monotonic()
+        num_pages = self.num_pages
+        self._stop_ranks(graceful=False)
+        self.runner = None  # the old cache and weights go before the new ones are built
+        self.runner, _ = self._start(num_pages=num_pages)
+        self.restarts += 1
+        self.unhealthy = None
+        log.warning("tensor-parallel pool restarted in %.1f s after: %s", time.monotonic() - started, reason)
+
+    def cancel(self, request_id: str) -> None:
+        """An aborted request: rank 0 drops its pending Engram prefetches."""
+        cancel = getattr(self.runner, "cancel", None)
+        if cancel is not None:
+            cancel(request_id)
+
+    def engram_stats(self) -> dict:
+        stats = getattr(self.runner, "engram_stats", None)
+        return stats() if stats is not None else {}
+
+    def close(self) -> None:
+        """Stops every rank (a stop plan, then kill after a grace period): no process outlives the pool."""
+        self._closing.set()
+        self._stop_ranks(graceful=self._dead is None)
+
+    def _stop_ranks(self, graceful: bool) -> None:
+        if self.channel is not None and graceful:
+            try:
+                self.channel.send(None)
+            except RuntimeError:
+                graceful = False
+        for process in self.processes:
+            process.join(5 if graceful else 0)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self.processes, self.channel = [], None
+        leave_group()
