@@ -5,6 +5,7 @@ from models.cache import ModelCache
 from models.config import ConfigError, ModelConfig
 from models.loader import CheckpointError, load_model
 from models.model import DeepseekV4
+from models.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "CheckpointError",
@@ -13,6 +14,8 @@ __all__ = [
     "ForwardBatch",
     "ModelCache",
     "ModelConfig",
+    "SINGLE",
     "SequenceChunk",
+    "TensorParallel",
     "load_model",
 ]

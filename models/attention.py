@@ -19,6 +19,7 @@ from models.cache import LayerCache, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
+from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
 class GroupedLinear(nn.Module):
@@ -35,27 +36,41 @@ class GroupedLinear(nn.Module):
         return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
 
 
-def add_attention_projections(module: nn.Module, c: ModelConfig) -> None:
+def add_attention_projections(module: nn.Module, c: ModelConfig, tp: TensorParallel) -> int:
     """The projections V4 and V4.1 attention share, under HF's parameter names: low-rank q with its
-    norm, the single K=V head with its norm, the grouped low-rank output, and the per-head sinks."""
+    norm, the single K=V head with its norm, the grouped low-rank output, and the per-head sinks.
+    Returns this rank's number of query heads.
+
+    Tensor parallel: each rank takes an equal run of query heads and of o-groups. A group reads a fixed
+    run of the flattened heads, so the rank's groups read exactly its heads: q_b_proj, the sinks and
+    o_a_proj are cut by rows, o_b_proj by its input columns, and each rank's output is a partial sum
+    the caller all-reduces (one all-reduce per layer). The shared K=V head, q's low-rank half, the
+    compressors and indexers stay replicated: every rank keeps the whole cache."""
+    heads, groups = tp.shard("num_attention_heads", c.num_heads), tp.shard("o_groups", c.o_groups)
     module.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
     module.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-    module.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+    module.q_b_proj = nn.Linear(c.q_lora_rank, heads.size * c.head_dim, bias=False)
     module.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
     module.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-    module.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
-    module.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
-    module.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+    module.o_a_proj = GroupedLinear(c.num_heads * c.head_dim // c.o_groups, groups.size * c.o_lora_rank, groups.size)
+    module.o_b_proj = nn.Linear(groups.size * c.o_lora_rank, c.hidden_size, bias=False)
+    module.sinks = nn.Parameter(torch.zeros(heads.size, dtype=torch.float32))
+    mark_shards(module.q_b_proj, weight=tp.shard("num_attention_heads", c.num_heads, unit=c.head_dim))
+    mark_shards(module.o_a_proj, weight=tp.shard("o_groups", c.o_groups, unit=c.o_lora_rank))
+    mark_shards(module.o_b_proj, weight=tp.shard("o_groups", c.o_groups, unit=c.o_lora_rank, dim=1))
+    mark_shards(module, sinks=heads)
+    return heads.size
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.head_dim, self.window = c.num_heads, c.head_dim, c.sliding_window
+        self.head_dim, self.window = c.head_dim, c.sliding_window
         self.eps = c.rms_norm_eps
         self.kind = c.layer_types[layer]
-        add_attention_projections(self, c)
+        self.tp = tp
+        self.num_heads = add_attention_projections(self, c, tp)
         rate = c.compress_rates[layer]
         if self.kind == CSA:
             indexer = Indexer(
@@ -84,7 +99,7 @@ class Attention(nn.Module):
             rows = chunk.rows
             out[rows] = self._attend_chunk(chunk, x[rows], q_residual[rows], q[rows], kv[rows], cache, cos[rows], sin[rows])
         out = apply_rope(out, cos, -sin)
-        return self.o_b_proj(self.o_a_proj(out.flatten(1)))
+        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
 
     def _attend_chunk(
         self,

@@ -23,6 +23,7 @@ from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
 from models.layers import RotaryTable, apply_rope
+from models.parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -35,11 +36,11 @@ class SelectionTrace:
 
 
 class SharedCompressedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c, shared = config, config.shared_compression
-        self.layer, self.num_heads, self.head_dim = layer, c.num_heads, c.head_dim
-        add_attention_projections(self, c)
+        self.layer, self.head_dim, self.tp = layer, c.head_dim, tp
+        self.num_heads = add_attention_projections(self, c, tp)
         self.quantize_kv = fake_quant_fp8_ue8m0 if c.simulate_quantization else (lambda x: x)
         compressed = c.compress_rates[layer] > 0
         self.rope = RotaryTable(c.compress_rope if compressed else c.main_rope)
@@ -90,7 +91,7 @@ class SharedCompressedAttention(nn.Module):
             picked = self._picked_entries(chunk, cache, selections[index])
             out[rows] = self._attend(q[rows], keys, bias, picked)
         out = apply_rope(out, cos, -sin)
-        return self.o_b_proj(self.o_a_proj(out.flatten(1)))
+        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
 
     def _picked_entries(
         self, chunk: SequenceChunk, cache: ModelCache, selection: ChunkSelection

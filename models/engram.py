@@ -4,16 +4,33 @@ The rows of all columns are concatenated and one projection `wkv` gives a key pe
 shared value. Per stream: dot = sum(h * q_w * k_w * key) / (rms(h) * rms(key) * sqrt(D)),
 gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)) (a zero dot gives +1e-3), and out = h + gate * value. Dead positions
 (padding, image spans) keep h unchanged. Everything runs in float32.
+
+Tensor parallel: the tables split by hash heads (the table's columns, one per n-gram order and
+head) into equal runs, so each rank holds and reads only its heads' rows, a contiguous run of each
+table. The fusion then needs every column's row for every token. Of the two ways to get there, the
+bytes each rank receives per token and Engram layer (float32, ring collectives, w ranks, C columns
+of d channels, hc streams of D; V4.1-Flash: C = 24, d = 256, D = 5120, hc = 4):
+- all-gather the rows, and split wkv by output columns (each rank computes its D/w channels of every
+  key and of the value), then all-gather [its value channels | its partial dot and key square sums]:
+  (w-1)/w * C*d*4 + (w-1) * (D/w + 2*hc) * 4  = 12,288 + 10,272 = 22,560 B at w = 2 (33,888 at w = 4);
+- split wkv by input rows (each rank projects its own columns) and all-reduce the partial
+  [(hc+1) * D] projection: 2 * (w-1)/w * (hc+1)*D*4 = 102,400 B at w = 2 (153,600 at w = 4).
+The first moves about 4.5x fewer bytes, so it is what ShardedEngramFusion does: with V4.1-Flash's two
+Engram layers a step of T tokens moves 2 * 22,560 * T bytes per rank for Engram at w = 2.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 
 from engram_store.rows import RowSource
 from models.batch import ForwardBatch
 from models.engram_hash import NgramHasher
+from models.parallel import TensorParallel, mark_shards
 
 GATE_FLOOR = 1e-6
 
@@ -47,18 +64,79 @@ class EngramFusion(nn.Module):
         return (streams.float() + gate[..., None] * value[:, None, :]).to(streams.dtype)
 
 
+class ShardedEngramFusion(nn.Module):
+    """EngramFusion on one rank of w: gets its heads' rows, holds channels [first, first + D/w) of
+    every key and of the value (wkv, q_weight, k_weight cut along the hidden dim), and returns the
+    same streams on every rank (module docstring: why this split)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, n_columns: int, head_dim: int, eps: float,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        channels = tp.shard("hidden_size", hidden_size)
+        self.hidden, self.hc, self.eps, self.tp = hidden_size, hc_mult, eps, tp
+        self.first, self.width = channels.start, channels.size
+        self.wkv = nn.Linear(n_columns * head_dim, (hc_mult + 1) * self.width, bias=False, dtype=torch.float32)
+        self.q_weight = nn.Parameter(torch.ones(hc_mult, self.width, dtype=torch.float32))
+        self.k_weight = nn.Parameter(torch.ones(hc_mult, self.width, dtype=torch.float32))
+        mark_shards(self.wkv, weight=tp.shard("hidden_size", hidden_size, blocks=hc_mult + 1))
+        mark_shards(self, q_weight=tp.shard("hidden_size", hidden_size, dim=1),
+                    k_weight=tp.shard("hidden_size", hidden_size, dim=1))
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """streams [T, hc, D], rows [T, this rank's columns, head_dim] -> streams [T, hc, D]."""
+        h, hc, width = streams.float(), self.hc, self.width
+        kv = self.wkv(self.tp.all_gather(rows.float(), dim=1).flatten(1))  # every column, in column order
+        key = kv[:, : hc * width].view(-1, hc, width)
+        own = h[..., self.first : self.first + width]
+        partial = [(own * self.q_weight * self.k_weight * key).sum(-1), key.square().sum(-1), kv[:, hc * width :]]
+        gathered = self.tp.all_gather(torch.cat(partial, dim=-1)[None], dim=0)  # [w, T, 2hc + D/w]
+        sums = gathered[..., : 2 * hc].sum(0)  # summed in rank order: the same bits on every rank
+        value = gathered[..., 2 * hc :].transpose(0, 1).flatten(1)
+        dot = sums[:, :hc] * torch.rsqrt(h.square().mean(-1) + self.eps)
+        dot = dot * torch.rsqrt(sums[:, hc:] / self.hidden + self.eps) * self.hidden**-0.5
+        gate = EngramFusion.gate(dot, live)
+        return (h + gate[..., None] * value[:, None, :]).to(streams.dtype)
+
+
+def engram_fusion(
+    hidden_size: int, hc_mult: int, n_columns: int, head_dim: int, eps: float, tp: TensorParallel
+) -> EngramFusion | ShardedEngramFusion:
+    if tp.world_size == 1:
+        return EngramFusion(hidden_size, hc_mult, n_columns, head_dim, eps)
+    return ShardedEngramFusion(hidden_size, hc_mult, n_columns, head_dim, eps, tp)
+
+
+@dataclass(frozen=True)
+class EngramShard:
+    """The hash heads (table columns) [first, end) one rank holds, and per Engram layer the shift
+    from a row's id in the whole table to its id in the rank's source: minus the first row of its
+    heads where the source holds only those rows in memory, 0 where it reads the shared table file."""
+
+    first: int
+    end: int
+    shifts: tuple[int, ...]
+
+    def source_ids(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """[N, layers, columns] whole-table row ids -> [N, layers, own columns] ids the source reads."""
+        shifts = torch.tensor(self.shifts, dtype=row_ids.dtype, device=row_ids.device)
+        return row_ids[:, :, self.first : self.end] + shifts[:, None]
+
+
 class EngramMemory:
     """Everything an Engram forward needs besides the fusion weights: the n-gram hasher (from the
     checkpoint's tokenizer) and the row source (in memory here; engram_store/ streams from disk).
 
     Row ids depend only on tokens, so one call hashes the whole step for every Engram layer; each slot's
-    look-back (the last max_ngram - 1 compressed ids) is carried in the cache between steps."""
+    look-back (the last max_ngram - 1 compressed ids) is carried in the cache between steps. Under
+    tensor parallelism (`shard`) every rank hashes every column (cheap, and the look-back stays
+    whole) but asks its source only for its own heads' rows."""
 
-    def __init__(self, hasher: NgramHasher, rows: RowSource) -> None:
-        self.hasher, self.source = hasher, rows
+    def __init__(self, hasher: NgramHasher, rows: RowSource, shard: EngramShard | None = None) -> None:
+        self.hasher, self.source, self.shard = hasher, rows, shard
 
     def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
-        """[T, engram layers, columns] int64 row ids of the step's tokens; advances `context` [slots, N-1]."""
+        """[T, engram layers, columns] int64 whole-table row ids of the step's tokens; advances `context`
+        [slots, N-1]."""
         per_chunk = []
         tokens = batch.token_ids.tolist()
         for chunk in batch.chunks:
@@ -67,13 +145,23 @@ class EngramMemory:
             context[chunk.slot] = torch.tensor(carried, dtype=context.dtype, device=context.device)
             per_chunk.append(torch.from_numpy(ids))
         row_ids = torch.cat(per_chunk)
-        self.source.prefetch(row_ids)  # disk tiers start reading while the layers before Engram run
+        self.source.prefetch(self._for_source(row_ids))  # disk tiers read while the layers before Engram run
         return row_ids
 
+    def next_row_ids(self, token_ids: np.ndarray, contexts: np.ndarray) -> torch.Tensor:
+        """What this rank's source reads ([N, engram layers, its columns]) for one next token of each of N
+        sequences with carried contexts [N, N-1]: the runner's prefetch hints."""
+        return self._for_source(torch.from_numpy(self.hasher.next_row_ids(token_ids, contexts)))
+
     def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
-        """[T, columns, head_dim] float32 rows of the `layer_index`-th Engram layer."""
-        return self.source.rows(layer_index, row_ids[:, layer_index])
+        """[T, columns (this rank's), head_dim] float32 rows of the `layer_index`-th Engram layer, given
+        the step's whole-table row ids."""
+        return self.source.rows(layer_index, self._for_source(row_ids)[:, layer_index])
 
     def failed_tokens(self) -> dict[int, str]:
-        """Batch rows of the last step that got no valid Engram rows (their requests must fail)."""
+        """Batch rows of the last step that got no valid Engram rows from this rank's source (their
+        requests must fail)."""
         return self.source.failed_tokens()
+
+    def _for_source(self, row_ids: torch.Tensor) -> torch.Tensor:
+        return row_ids if self.shard is None else self.shard.source_ids(row_ids)

@@ -3,10 +3,14 @@
 Checked here rather than trusted: the tokenizer-derived compressed vocabulary must equal the config's
 `engram_compressed_vocab_size`, and each table must hold exactly as many rows as its layout's primes
 add up to (a table of another layout would hash into the wrong rows without any error).
+
+Under tensor parallelism each rank reads only its hash heads' rows (engram.py says why): a
+contiguous run of each table, because a layer's columns are laid out back to back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -18,10 +22,22 @@ from engram_store.build import build_store
 from engram_store.store import EngramOptions
 from models.config import ConfigError
 from models.config_v41 import EngramSpec
-from models.engram import EngramMemory
+from models.engram import EngramMemory, EngramShard
 from models.engram_hash import EngramLayout, NgramHasher, build_compressed_token_map
+from models.parallel import SINGLE, TensorParallel
 
-TableReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+@dataclass(frozen=True)
+class TableRows:
+    """Rows [start, end) of Engram layer `layer`'s table, the part one rank reads."""
+
+    layer: int
+    start: int
+    end: int
+
+
+# (rows, head_dim) -> (values [end - start, head_dim], scales [end - start, head_dim / block], rows stored)
+TableReader = Callable[[TableRows, int], tuple[torch.Tensor, torch.Tensor, int]]
 
 
 def engram_hasher(spec: EngramSpec, tokenizer: Tokenizer) -> NgramHasher:
@@ -41,23 +57,45 @@ def engram_hasher(spec: EngramSpec, tokenizer: Tokenizer) -> NgramHasher:
 
 
 def engram_memory(
-    spec: EngramSpec, directory: Path, read_table: TableReader, device: str, options: EngramOptions | None = None
+    spec: EngramSpec, directory: Path, read_table: TableReader, device: str, options: EngramOptions | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> EngramMemory:
-    """Without `options` every table is read into memory; with them, each layer goes to its tier."""
+    """Without `options` every table (this rank's rows of it) is read into memory; with them, each layer
+    goes to its tier (a disk tier reads the shared table file by whole-table row id)."""
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ConfigError(f"Engram needs the checkpoint's tokenizer: {tokenizer_file} is missing")
     hasher = engram_hasher(spec, Tokenizer.from_file(str(tokenizer_file)))
+    layout = hasher.layout
+    columns = tp.shard("the Engram hash heads ((engram_max_ngram_size - 1) x engram_n_heads)", spec.n_columns)
+    first, end = columns.start, columns.start + columns.size
+    wanted = {
+        layer: TableRows(layer, offsets[first], offsets[end] if end < len(offsets) else rows)
+        for layer, offsets, rows in zip(spec.layer_ids, layout.offsets, layout.num_embeddings)
+    }
+
+    def read_layer(layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, scales, stored = read_table(wanted[layer], head_dim)
+        needed = layout.num_embeddings[spec.layer_ids.index(layer)]
+        if stored != needed:
+            raise ConfigError(f"model.engram_tables.{layer}.weight has {stored} rows, the layout needs {needed}")
+        return values, scales
+
+    def shard(in_memory: list[bool]) -> EngramShard | None:
+        if columns.whole:
+            return None
+        shifts = tuple(-wanted[layer].start if held else 0 for layer, held in zip(spec.layer_ids, in_memory))
+        return EngramShard(first, end, shifts)
+
     if options is not None:
-        primes = [[p for order in layer for p in order] for layer in hasher.layout.primes]
-        store = build_store(spec.layer_ids, hasher.layout.num_embeddings, primes, spec.head_dim, directory, read_table,
+        primes = [[p for order in layer for p in order] for layer in layout.primes]
+        store = build_store(spec.layer_ids, layout.num_embeddings, primes, spec.head_dim, directory, read_layer,
                             options, device)
-        return EngramMemory(hasher, store)
+        in_memory = [options.residency_of(layer) != "disk" for layer in spec.layer_ids]
+        return EngramMemory(hasher, store, shard(in_memory))
     values, scales = [], []
-    for layer, rows in zip(spec.layer_ids, hasher.layout.num_embeddings):
-        layer_values, layer_scales = read_table(layer, spec.head_dim)
-        if layer_values.shape[0] != rows:
-            raise ConfigError(f"model.engram_tables.{layer}.weight has {layer_values.shape[0]} rows, the layout needs {rows}")
+    for layer in spec.layer_ids:
+        layer_values, layer_scales = read_layer(layer, spec.head_dim)
         values.append(layer_values.to(device))
         scales.append(layer_scales.to(device))
-    return EngramMemory(hasher, InMemoryEngramTable(values, scales))
+    return EngramMemory(hasher, InMemoryEngramTable(values, scales), shard([True] * len(spec.layer_ids)))

@@ -7,12 +7,19 @@ Quantized weights are dequantized at load into the serving dtype (the CPU refere
   ([..., in/32]), or gpt-oss style `X_blocks` / `X_scales`.
 Every parameter must be present with its exact shape; anything else in the files is an error, except
 the MTP layer (`mtp.*`), which serving does not run. Errors name the tensor and the file.
+
+Tensor parallel (`tp`): the model is built at this rank's shard sizes and each sharded parameter is
+read as its slice of the stored tensor (safetensors `get_slice`; quantized ones by the scale blocks
+that cover the slice), so a rank never reads the parts other ranks hold; other ranks' per-expert
+tensors are not read at all. Replicated parameters are read whole on every rank.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,11 +28,15 @@ from torch import nn
 
 from engram_store.store import EngramOptions
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
+from kernels.quant import FP8_BLOCK, MXFP4_BLOCK
 from models.config import ConfigError, ModelConfig
-from models.engram_setup import engram_memory
+from models.engram_setup import TableRows, engram_memory
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.parallel import SINGLE, Shard, TensorParallel, shard_of
 from models.weight_names import NameIndex
+
+log = logging.getLogger("ds4serve.models")
 
 IGNORED_PREFIXES = ("mtp.",)
 # Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
@@ -37,7 +48,8 @@ class CheckpointError(ValueError):
 
 
 class TensorSource:
-    """Name -> file map over one or more safetensors files."""
+    """Name -> file map over one or more safetensors files; reads whole tensors or slices of them and
+    counts the bytes it read."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -55,78 +67,163 @@ class TensorSource:
                 with safe_open(file, framework="pt") as handle:
                     self.files.update({name: file for name in handle.keys()})
         self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def get(self, name: str) -> torch.Tensor:
+        return self._counted(self._handle(name).get_tensor(name))
+
+    def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        """[start, end) along `dim` of the stored tensor, reading only that part of the file."""
+        return self._counted(self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, end),)])
+
+    def stored(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype name) of a stored tensor, without reading it."""
+        handle = self._handle(name).get_slice(name)
+        return tuple(handle.get_shape()), handle.get_dtype()
+
+    def where(self, name: str) -> str:
+        return str(self.files.get(name, self.directory))
+
+    def _handle(self, name: str):
         file = self.files[name]
         if file not in self._handles:
             if not file.exists():
                 raise CheckpointError(f"{file}: listed in the index for {name!r} but missing")
             self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
 
-    def where(self, name: str) -> str:
-        return str(self.files.get(name, self.directory))
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 def _module_scale_name(name: str) -> str | None:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
 
 
+def _unpack_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return dequantize_mxfp4(blocks.reshape(*blocks.shape[:-2], -1), scales)
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How one parameter is stored: its values, the scales beside them (if any) and how to decode the
+    pair. A slice is read as the whole scale blocks that cover it: `block(dim)` logical elements share
+    one scale along `dim`, and `per_value(dim)` logical elements share one stored value index there."""
+
+    values: str
+    scale: str | None
+    decode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    blocked_dims: int  # trailing dims the scales are blocked along (FP8: 2, MXFP4: 1)
+    scale_block: int
+    packing: int  # logical elements per stored index along the last dim (packed FP4: 2, gpt-oss blocks: 32)
+
+    def block(self, dim: int, ndim: int) -> int:
+        return self.scale_block if dim >= ndim - self.blocked_dims else 1
+
+    def per_value(self, dim: int, ndim: int) -> int:
+        return self.packing if dim == ndim - 1 else 1
+
+    def logical_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        if self.packing == 1:
+            return stored
+        if self.packing == 2:
+            return (*stored[:-1], stored[-1] * 2)
+        return (*stored[:-2], stored[-2] * stored[-1] * 2)  # gpt-oss blocks [..., in / 32, 16]
+
+
 class WeightReader:
-    """Reads one parameter by name, dequantizing it if the checkpoint stores it quantized."""
+    """Reads one parameter (or one rank's shard of it) by name, dequantizing it if the checkpoint
+    stores it quantized."""
 
     def __init__(self, source: TensorSource) -> None:
         self.source = source
         self.consumed: set[str] = set()
 
-    def read(self, name: str, shape: torch.Size) -> torch.Tensor:
-        """`name` is the stored name; scale companions are found beside it."""
-        names = self.source.names()
-        if name + "_blocks" in names and name + "_scales" in names:
-            blocks = self._take(name + "_blocks")
-            packed = blocks.reshape(*blocks.shape[:-2], -1)
-            return self._checked(name, dequantize_mxfp4(packed, self._take(name + "_scales")), shape)
-        if name not in names:
-            raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
-        tensor = self._take(name)
-        scale_name = next(
-            (n for n in (name + "_scale_inv", name + "_scale", _module_scale_name(name)) if n and n in names), None
-        )
-        if scale_name is None:
-            return self._checked(name, tensor, shape)
-        scale = self._take(scale_name)
-        if tensor.dtype == torch.float8_e4m3fn:
-            return self._checked(name, dequantize_fp8_blocks(tensor, scale), shape)
-        if tensor.shape[-1] * 2 == shape[-1]:
-            return self._checked(name, dequantize_mxfp4(tensor, scale), shape)
-        raise CheckpointError(
-            f"tensor {name!r} in {self.source.where(name)} has scale {scale_name!r} but is neither FP8 "
-            f"nor packed FP4 for shape {tuple(shape)} (stored {tuple(tensor.shape)}, {tensor.dtype})"
-        )
+    def read(self, name: str, shape: torch.Size, shard: Shard | None = None) -> torch.Tensor:
+        """`name` is the stored name; scale companions are found beside it. `shape` is what the model
+        holds: the shard's shape when `shard` says which part of the stored tensor that is."""
+        full = list(shape)
+        if shard is not None:
+            full[shard.dim] = shard.full
+        stored = self._format(name, tuple(full))
+        if shard is None:
+            scale = self._take(stored.scale) if stored.scale else None
+            return self._checked(name, stored.decode(self._take(stored.values), scale), shape)
+        logical = stored.logical_shape(self.source.stored(stored.values)[0])
+        if logical != tuple(full):
+            raise CheckpointError(
+                f"tensor {name!r} in {self.source.where(name)} has shape {logical}, the model expects {tuple(full)}"
+            )
+        pieces = [self._read_range(stored, shard.dim, start, end, logical) for start, end in shard.ranges]
+        return self._checked(name, torch.cat(pieces, dim=shard.dim), shape)
 
-    def read_engram_table(self, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values [rows, head_dim], scales [rows, head_dim / block]) of `model.engram_tables.<layer>`,
-        as stored: fp8 values with power-of-two scales, or float rows (with a unit scale column)."""
-        name = f"model.engram_tables.{layer}.weight"
+    def skip(self, name: str) -> None:
+        """Marks a tensor another rank reads (and its scales) as accounted for, without reading it."""
+        companions = (name, name + "_blocks", name + "_scales", name + "_scale_inv", name + "_scale",
+                      _module_scale_name(name))
+        self.consumed.update(n for n in companions if n in self.source.files)
+
+    def read_engram_table(self, rows: TableRows, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(values [rows, head_dim], scales [rows, head_dim / block], rows stored) of the wanted rows of
+        `model.engram_tables.<layer>`, as stored: fp8 values with power-of-two scales, or float rows
+        (with a unit scale column)."""
+        name = f"model.engram_tables.{rows.layer}.weight"
         names = self.source.names()
         if name not in names:
             raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
-        values = self._take(name)
+        stored_rows = self.source.stored(name)[0][0]
+        values = self._take_slice(name, 0, rows.start, rows.end)
         scale_name = next((n for n in (name + "_scale_inv", name[: -len("weight")] + "scale") if n in names), None)
-        scales = self._take(scale_name) if scale_name else torch.ones(values.shape[0], 1)
+        scales = self._take_slice(scale_name, 0, rows.start, rows.end) if scale_name else torch.ones(len(values), 1)
         if values.dim() != 2 or values.shape[1] != head_dim or scales.shape[0] != values.shape[0] or head_dim % scales.shape[1]:
             raise CheckpointError(
                 f"tensor {name!r} in {self.source.where(name)} has shape {tuple(values.shape)} with scales "
                 f"{tuple(scales.shape)}; expected [rows, {head_dim}] and [rows, {head_dim} / block]"
             )
-        return values, scales
+        return values, scales, stored_rows
+
+    def _format(self, name: str, shape: tuple[int, ...]) -> StoredFormat:
+        names = self.source.names()
+        if name + "_blocks" in names and name + "_scales" in names:
+            return StoredFormat(name + "_blocks", name + "_scales", _unpack_blocks, 1, MXFP4_BLOCK, MXFP4_BLOCK)
+        if name not in names:
+            raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
+        scale = next(
+            (n for n in (name + "_scale_inv", name + "_scale", _module_scale_name(name)) if n and n in names), None
+        )
+        if scale is None:
+            return StoredFormat(name, None, lambda values, _: values, 0, 1, 1)
+        stored_shape, stored_dtype = self.source.stored(name)
+        if stored_dtype == "F8_E4M3":
+            return StoredFormat(name, scale, dequantize_fp8_blocks, 2, FP8_BLOCK, 1)
+        if stored_shape[-1] * 2 == shape[-1]:
+            return StoredFormat(name, scale, dequantize_mxfp4, 1, MXFP4_BLOCK, 2)
+        raise CheckpointError(
+            f"tensor {name!r} in {self.source.where(name)} has scale {scale!r} but is neither FP8 "
+            f"nor packed FP4 for shape {shape} (stored {stored_shape}, {stored_dtype})"
+        )
+
+    def _read_range(
+        self, stored: StoredFormat, dim: int, start: int, end: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """[start, end) along `dim`, decoded: reads the whole scale blocks that cover it, then trims."""
+        block, per_value = stored.block(dim, len(shape)), stored.per_value(dim, len(shape))
+        low, high = start - start % block, min(-(-end // block) * block, shape[dim])
+        values = self._take_slice(stored.values, dim, low // per_value, -(-high // per_value))
+        scale = self._take_slice(stored.scale, dim, low // block, -(-high // block)) if stored.scale else None
+        return stored.decode(values, scale).narrow(dim, start - low, end - start)
 
     def _take(self, name: str) -> torch.Tensor:
         self.consumed.add(name)
         return self.source.get(name)
+
+    def _take_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        self.consumed.add(name)
+        return self.source.get_slice(name, dim, start, end)
 
     def _checked(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if tuple(tensor.shape) != tuple(shape):
@@ -149,28 +246,30 @@ def load_model(
     device: str = "cpu",
     simulate_quantization: bool = True,
     engram: EngramOptions | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> DeepseekV4 | DeepseekV41:
     """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
-    `engram` places each Engram table in its tier (engram_store/); None reads them all into memory."""
+    `engram` places each Engram table in its tier (engram_store/); None reads them all into memory.
+    `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide)."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
         config = replace(config, simulate_quantization=False)
     with torch.device("meta"):
-        model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
+        model = DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
     reader = WeightReader(TensorSource(directory))
     index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
     for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if full_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        value = _read_parameter(reader, index, full_name, tensor.shape)
+        value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
         value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
         _assign(model, full_name, value)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.engram is not None:
         try:
-            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram)
+            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram, tp)
         except ConfigError as exc:
             raise CheckpointError(f"{directory}: {exc}") from exc
     ignored = IGNORED_PREFIXES + (("model.engram_tables.",) if config.engram is not None else ())  # disk tiers read files
@@ -179,24 +278,37 @@ def load_model(
         shown = ", ".join(repr(n) for n in unexpected[:5])
         raise CheckpointError(f"unexpected tensors in {directory} not used by the model: {shown}"
                               + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    log.info("%s: rank %d of %d read %.1f MiB of weights", directory, tp.rank, tp.world_size,
+             reader.source.bytes_read / 2**20)
     return model.eval()
 
 
-def _read_parameter(reader: WeightReader, index: NameIndex, name: str, shape: torch.Size) -> torch.Tensor:
+def _read_parameter(
+    reader: WeightReader, index: NameIndex, name: str, shape: torch.Size, shard: Shard | None
+) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     if name not in index.direct and owner in index.experts and leaf in ("gate_up_proj", "down_proj"):
-        return _stack_experts(reader, index.experts[owner].by_expert, owner, leaf, shape)
-    return reader.read(index.direct.get(name, name), shape)
+        owned = range(shard.start, shard.start + shard.size) if shard is not None else range(shape[0])
+        total = shard.full if shard is not None else shape[0]
+        return _stack_experts(reader, index.experts[owner].by_expert, owner, leaf, shape, owned, total)
+    return reader.read(index.direct.get(name, name), shape, shard)
 
 
 def _stack_experts(
-    reader: WeightReader, parts: dict[int, dict[str, str]], owner: str, leaf: str, shape: torch.Size
+    reader: WeightReader, parts: dict[int, dict[str, str]], owner: str, leaf: str, shape: torch.Size,
+    owned: range, total: int,
 ) -> torch.Tensor:
-    n_experts = shape[0]
+    """The per-expert matrices of the `owned` experts stacked; the model's other experts (of `total`)
+    are other ranks' and are skipped unread."""
+    wanted = ("w1", "w3") if leaf == "gate_up_proj" else ("w2",)
+    for expert in range(total):
+        if expert not in owned:
+            for w in wanted:
+                if w in parts.get(expert, {}):
+                    reader.skip(parts[expert][w])
     matrices = []
-    for expert in range(n_experts):
+    for expert in owned:
         stored = parts.get(expert, {})
-        wanted = ("w1", "w3") if leaf == "gate_up_proj" else ("w2",)
         missing = [w for w in wanted if w not in stored]
         if missing:
             raise CheckpointError(f"missing tensor {owner}.{expert}.{missing[0]}.weight in {reader.source.directory}")

@@ -18,13 +18,15 @@ from models.config import ModelConfig
 from models.hyper import HyperConnection, HyperHead, merge_streams
 from models.layers import RMSNorm, logits_into
 from models.moe import MoE
+from models.parallel import SINGLE, TensorParallel
+from models.vocab import embedding, lm_head
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MoE(config, layer)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MoE(config, layer, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -40,20 +42,22 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = embedding(config, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's part of a tensor-parallel group (sizes are this rank's shards); every
+        rank's forward returns the same full-vocabulary logits."""
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Backbone(config, tp)
+        self.lm_head = lm_head(config, tp)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None) -> torch.Tensor:

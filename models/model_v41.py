@@ -18,17 +18,19 @@ from models.batch import ForwardBatch
 from models.cache import ModelCache
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection
-from models.engram import EngramFusion, EngramMemory
+from models.engram import EngramMemory, engram_fusion
 from models.hyper import HyperConnection, collapse, merge_streams
 from models.layers import RMSNorm, logits_into
 from models.moe import MoE
+from models.parallel import SINGLE, TensorParallel
+from models.vocab import embedding, lm_head
 
 
 class DecoderLayerV41(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = SharedCompressedAttention(config, layer)
-        self.mlp = MoE(config, layer)
+        self.self_attn = SharedCompressedAttention(config, layer, tp)
+        self.mlp = MoE(config, layer, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -36,7 +38,9 @@ class DecoderLayerV41(nn.Module):
         spec = config.engram
         self.engram = None
         if spec is not None and layer in spec.layer_ids:
-            self.engram = EngramFusion(config.hidden_size, config.hc_mult, spec.n_columns, spec.head_dim, config.rms_norm_eps)
+            self.engram = engram_fusion(
+                config.hidden_size, config.hc_mult, spec.n_columns, spec.head_dim, config.rms_norm_eps, tp
+            )
 
     def forward(
         self,
@@ -60,19 +64,20 @@ class DecoderLayerV41(nn.Module):
 
 
 class BackboneV41(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayerV41(config, i) for i in range(config.num_layers))
+        self.embed_tokens = embedding(config, tp)
+        self.layers = nn.ModuleList(DecoderLayerV41(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV41(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's part of a tensor-parallel group (see DeepseekV4)."""
         super().__init__()
         self.config = config
-        self.model = BackboneV41(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = BackboneV41(config, tp)
+        self.lm_head = lm_head(config, tp)
         self.engram_memory: EngramMemory | None = None  # attached by the loader (needs the tokenizer)
 
     @torch.inference_mode()

@@ -7,6 +7,11 @@ SwiGLU paths clamp: gate from above, up on both sides, at `swiglu_limit`.
 V4.1 differences: the router runs in float32 on logits divided by `gate_temp`, renormalises only when
 `norm_topk_prob` and top_k > 1, applies each expert's weight before its down projection, and sizes the
 shared expert at `moe_intermediate_size` whatever `n_shared_experts` says.
+
+Tensor parallel (expert parallel inside the TP group): the router stays replicated, so every rank
+routes every token alike; each rank holds an equal run of the routed experts and computes them for
+all tokens that chose them, and the shared expert is cut column / row parallel (its gate and up rows,
+its down columns). Each rank's float32 sum is partial: one all-reduce per layer completes it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 
 from kernels import stable_topk
 from models.config import HASH_MOE, ModelConfig
+from models.parallel import SINGLE, TensorParallel, mark_shards
 
 SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -61,51 +67,63 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored as [E, 2I, D] (gate rows then up rows) and [E, D, I]."""
+    """Routed experts stored as [E, 2I, D] (gate rows then up rows) and [E, D, I]; this rank's run of
+    them (experts [first, first + held)) under tensor parallelism."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        shard = tp.shard("n_routed_experts", config.n_routed_experts)
+        e, d, i = shard.size, config.hidden_size, config.moe_intermediate_size
+        self.first, self.held = shard.start, shard.size
         self.limit = config.swiglu_limit
         self.weight_before_down = config.is_v41
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        mark_shards(self, gate_up_proj=shard, down_proj=shard)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of this rank's experts for every token (zero where it chose none of them)."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in torch.unique(experts).tolist():
+            local = expert - self.first
+            if not 0 <= local < self.held:  # another rank's expert
+                continue
             token_rows, slot = torch.where(experts == expert)
             weight = weights[token_rows, slot, None]
-            gate, up = F.linear(x[token_rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            gate, up = F.linear(x[token_rows], self.gate_up_proj[local]).chunk(2, dim=-1)
             hidden = clamped_swiglu(gate.float(), up.float(), self.limit)
             if self.weight_before_down:
-                y = F.linear((hidden * weight).to(x.dtype), self.down_proj[expert]).float()
+                y = F.linear((hidden * weight).to(x.dtype), self.down_proj[local]).float()
             else:
-                y = F.linear(hidden.to(x.dtype), self.down_proj[expert]).float() * weight
+                y = F.linear(hidden.to(x.dtype), self.down_proj[local]).float() * weight
             out.index_add_(0, token_rows, y)
         return out
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         d, i = config.hidden_size, config.moe_intermediate_size * (1 if config.is_v41 else config.n_shared_experts)
+        name = "the shared expert's intermediate size (moe_intermediate_size x n_shared_experts)"
+        rows, columns = tp.shard(name, i), tp.shard(name, i, dim=1)
         self.limit = config.swiglu_limit
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
+        self.gate_proj = mark_shards(nn.Linear(d, rows.size, bias=False), weight=rows)
+        self.up_proj = mark_shards(nn.Linear(d, rows.size, bias=False), weight=rows)
+        self.down_proj = mark_shards(nn.Linear(rows.size, d, bias=False), weight=columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
-        self.experts = Experts(config)
-        self.shared_experts = SharedExpert(config)
+        self.experts = Experts(config, tp)
+        self.shared_experts = SharedExpert(config, tp)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, token_ids)
-        return (self.experts(x, weights, experts) + self.shared_experts(x).float()).to(x.dtype)
+        out = self.experts(x, weights, experts) + self.shared_experts(x).float()
+        return self.tp.all_reduce(out).to(x.dtype)

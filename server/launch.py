@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from server.app import ServedModel, create_app
 from server.chat import ChatFormat
-from server.config import DEFAULT_MODEL_DIR, ConfigFileError, ServeConfig
+from server.config import DEFAULT_MODEL_DIR, ServeConfig
 from server.engine_client import EngineClient
 from server.metrics import MetricsSetup, install_metrics
 from server.tokenizer import TextTokenizer
@@ -34,8 +34,6 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     from models import ModelConfig
     from server.engine_process import EngineProcess
 
-    if config.parallel.tensor_parallel_size != 1:
-        raise ConfigFileError("parallel.tensor_parallel_size: only 1 is supported in this version")
     model_dir = config.model_dir
     ensure_default_model(model_dir)
     model_config = ModelConfig.from_file(model_dir / "config.json")

@@ -33,12 +33,12 @@ def test_the_engine_sizes_its_cache_from_the_plan(checkpoints):
     config = load_config(overrides=[f"model.path={checkpoints['v41']}", "model.max_model_len=256",
                                     "scheduler.block_tokens=32", "memory.host_memory_gb=0.5"])
     engine, spec = build_engine_core(config, lambda output: None)
-    cache = engine.executor.cache
+    cache = engine.executor.runner.cache
     assert cache.num_pages == spec.memory.num_pages == engine.scheduler.blocks.num_pages
     assert spec.memory.workspace_bytes > 0 and spec.memory.weights_bytes > 0
     pinned = load_config(overrides=[f"model.path={checkpoints['v41']}", "model.max_model_len=256",
                                     "scheduler.block_tokens=32", "memory.num_kv_pages=9"])
-    assert build_engine_core(pinned, lambda output: None)[0].executor.cache.num_pages == 9
+    assert build_engine_core(pinned, lambda output: None)[0].executor.runner.cache.num_pages == 9
     too_few = load_config(overrides=[f"model.path={checkpoints['v41']}", "model.max_model_len=256",
                                      "scheduler.block_tokens=32", "memory.num_kv_pages=7"])
     with pytest.raises(MemoryPlanError, match="needs 8 pages"):

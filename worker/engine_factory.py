@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engram_store.store import EngramOptions
-from models import ModelConfig, load_model
+from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity
 from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
 from scheduler.admission import MemoryPlan, plan_pages
@@ -112,14 +112,20 @@ def build_runner(
     ranks they agree on the smallest page count (over `plan_group`), since every rank holds the same
     pages. A restart passes the page count the scheduler already uses."""
     device = resolve_device(config)
-    tp = tensor_parallel() if plan_group is not None else None
+    tp = TensorParallel.from_default_group() if plan_group is not None else None
     if tp is not None and device == "cuda":
         device = f"cuda:{tp.rank}"
     dtype = resolve_dtype(config, device)
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
-    extra = {"tp": tp} if tp is not None else {}
-    model = load_model(config.model_dir, dtype=dtype, device=device, engram=engram_options(config), **extra)
+    options = engram_options(config)
+    # a disk tier converts missing table files on first use: rank 0 does it, the others wait for it
+    converts_first = plan_group is not None and "disk" in (options.residency, *options.layer_residency.values())
+    if converts_first and tp.rank != 0:
+        dist.barrier(group=plan_group)
+    model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp or SINGLE)
+    if converts_first and tp.rank == 0:
+        dist.barrier(group=plan_group)
     sched = config.scheduler
     memory_plan = None
     if num_pages is None:
@@ -133,16 +139,9 @@ def build_runner(
     runner = ModelRunner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots,
+        snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE,
     )
     return runner, memory_plan
-
-
-def tensor_parallel():
-    """This rank's TensorParallel over the default (already initialised) process group."""
-    from models.parallel import TensorParallel
-
-    return TensorParallel.from_default_group()
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kernels.batch_invariant import BatchInvariantMode
-from models import DeepseekV4, ForwardBatch, ModelCache
+from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.model_v41 import DeepseekV41
 from scheduler.plan import ChunkResult, StepPlan, StepResult
 from worker.sampler import sample, token_logprobs
@@ -32,12 +32,15 @@ class ModelRunner:
         max_logit_rows: int = 0,
         deterministic: bool = False,
         snapshot_slots: int = 0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
         step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it.
-        `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots."""
+        `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots.
+        `tp`: the model's tensor-parallel group (Engram read failures are combined over it)."""
         self.model = model
+        self.tp = tp
         self.deterministic = deterministic
         dtype = model.lm_head.weight.dtype
         self.cache = ModelCache.allocate(
@@ -67,7 +70,7 @@ class ModelRunner:
             out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
             with BatchInvariantMode() if self.deterministic else nullcontext():
                 logits = self.model(batch, self.cache, out=out)
-            failed = self._engram_failures()
+            failed = self._engram_failures(batch.token_ids.shape[0])
             offset = 0
             for chunk, rows, batch_chunk in zip(computed, logit_rows, batch.chunks):
                 chunk_logits[chunk.request_id] = logits[offset : offset + len(rows)]
@@ -105,9 +108,20 @@ class ModelRunner:
                 self.last_logits[targets] = self.last_logits[sources]
         self.cache.copy_pages([s for s, _ in plan.page_copies], [t for _, t in plan.page_copies])
 
-    def _engram_failures(self) -> dict[int, str]:
+    def _engram_failures(self, num_tokens: int) -> dict[int, str]:
+        """Tokens (flat batch rows) whose Engram rows could not be read. Each rank reads only its
+        heads' rows, so with several ranks the flags are summed over the group: every rank then fails
+        the same requests, whichever rank's read broke."""
         memory = getattr(self.model, "engram_memory", None)
-        return memory.failed_tokens() if memory is not None else {}
+        if memory is None:
+            return {}
+        failed = memory.failed_tokens()
+        if self.tp.world_size > 1:
+            flags = torch.zeros(num_tokens, dtype=torch.int32, device=self.logits.device)
+            flags[list(failed)] = 1
+            for token in self.tp.all_reduce(flags).nonzero().flatten().tolist():
+                failed.setdefault(token, "an Engram row of this token could not be read on another tensor-parallel rank")
+        return failed
 
     def _hint_next_rows(self, plan: StepPlan, results: list[ChunkResult]) -> None:
         """Sampled tokens are the next step's inputs: their Engram rows can be read now."""
@@ -120,8 +134,8 @@ class ModelRunner:
             return
         slots = torch.tensor([chunk.slot for chunk, _ in sampled])
         contexts = self.cache.engram_context[slots.to(self.cache.engram_context.device)].cpu().numpy()
-        ids = memory.hasher.next_row_ids(np.array([token for _, token in sampled]), contexts)
-        hint([chunk.request_id for chunk, _ in sampled], torch.from_numpy(ids))  # one hint a step
+        ids = memory.next_row_ids(np.array([token for _, token in sampled]), contexts)  # this rank's rows
+        hint([chunk.request_id for chunk, _ in sampled], ids)  # one hint a step
 
     def engram_stats(self) -> dict:
         """The Engram store's counters as EngineStats fields (empty without a tiered store)."""
