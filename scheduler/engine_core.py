@@ -62,6 +62,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self.failure: str | None = None  # why the loop thread ended, if it failed
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ds4serve-engine", daemon=True)
@@ -98,11 +99,17 @@ class EngineCore:
         self._inbox.put(("abort", request_id))
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._maintain()
-            self._drain_inbox(block=not self.scheduler.has_work)
-            if self.scheduler.has_work:
-                self.step()
+        try:
+            while not self._stopping.is_set():
+                self._maintain()
+                self._drain_inbox(block=not self.scheduler.has_work)
+                if self.scheduler.has_work:
+                    self.step()
+        except Exception as exc:  # the loop cannot go on (e.g. a rank failed and the config says exit)
+            log.exception("the engine loop stopped")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            for output in self.scheduler.fail_all(f"the engine stopped: {self.failure}"):
+                self.on_output(output)
 
     def _maintain(self) -> None:
         """Lets the executor repair itself between steps (restart a failed tensor-parallel pool)."""

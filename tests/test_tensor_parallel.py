@@ -93,17 +93,20 @@ def children(pid: int) -> list[int]:
 
 
 def rank_pids(server_pid: int) -> list[int]:
-    """The rank processes: children of the engine process (itself a child of the server) that run
-    multiprocessing's spawn entry point."""
-    ranks = []
-    for engine in children(server_pid):
-        for pid in children(engine):
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    ranks.append(pid)
-            except OSError:
-                continue
-    return ranks
+    """The rank processes: children of the engine process (itself a child of the server)."""
+    return [pid for engine in children(server_pid) for pid in rank_pids_of(engine)]
+
+
+def rank_pids_of(engine_pid: int) -> list[int]:
+    """Children of the engine process that run multiprocessing's spawn entry point."""
+    found = []
+    for pid in children(engine_pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 def test_a_killed_rank_fails_its_request_and_the_pool_restarts(checkpoints):
@@ -141,3 +144,18 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_with_on_rank_failure_exit_a_dead_rank_ends_the_engine(checkpoints):
+    with server_process(checkpoints["v41"], "tiny", "--max-model-len", "512", "--tensor-parallel-size", "2",
+                        "--set", "parallel.on_rank_failure=exit") as server:
+        [rank] = rank_pids(server.process.pid)
+        [engine] = [pid for pid in children(server.process.pid) if rank_pids_of(pid)]
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and alive(engine):
+            time.sleep(0.1)
+        assert not alive(engine), "the engine process did not end"
+        while time.monotonic() < deadline and (health := httpx.get(server.base + "/health")).status_code == 200:
+            time.sleep(0.1)  # the front end notices the exit once the engine's last frames are read
+        assert health.status_code == 503 and "tensor-parallel rank" in health.json()["error"]["message"]

@@ -102,7 +102,7 @@ def serve(engine: EngineCore, requests: zmq.Socket, outbox: Outbox) -> str | Non
             log.warning("the front end exited; stopping the engine")
             return None
         if not engine.alive:
-            failure = "the engine loop died (see the engine log)"
+            failure = f"the engine stopped: {engine.failure or 'its loop died (see the engine log)'}"
             outbox.send(EngineFailed(failure))
             return failure
         while requests.poll(0):
