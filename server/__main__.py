@@ -16,11 +16,13 @@ ones get `server.drain_timeout_s` to finish (streams still running then end with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from server.config import FLAG_KEYS, ConfigFileError, load_config
 from server.features import unbuilt_features
 from server.logging_setup import configure_logging
+from worker.launch_env import launched_externally
 
 SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
 
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: server.api_key_file: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, config.server.log_format, secrets)
+    if launched_externally() and int(os.environ["RANK"]) > 0:  # torchrun's other ranks serve no HTTP
+        from worker.tensor_parallel import external_rank_main
+
+        return external_rank_main(config)
     import uvicorn
 
     from server.draining import DrainingServer

@@ -42,13 +42,15 @@ def _collect(stream, lines: list[str]) -> None:
 
 @contextmanager
 def server_process(
-    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None
+    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> Iterator[ServerProcess]:
     """The server once /health answers 200 (`env` adds to the environment); fails the test with the
-    server's output if it exits first. Stopped with SIGTERM after, unless the test stopped it."""
+    server's output if it exits first. Stopped with SIGTERM after, unless the test stopped it.
+    `launcher`: what runs `-m server ...` instead of this interpreter (e.g. torchrun's arguments)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
+        [*(launcher or (sys.executable,)), "-m", "server", "--model", str(model_dir), "--port", str(port),
          "--served-model-name", served_name, "--log-level", "warning", *extra_args],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import running_server, server_process
+from tests.serving import free_port, running_server, server_process
 
 PROMPT = "Compressed sparse attention pools four tokens into one entry; the quick brown fox"
 
@@ -159,3 +160,14 @@ def test_with_on_rank_failure_exit_a_dead_rank_ends_the_engine(checkpoints):
         while time.monotonic() < deadline and (health := httpx.get(server.base + "/health")).status_code == 200:
             time.sleep(0.1)  # the front end notices the exit once the engine's last frames are read
         assert health.status_code == 503 and "tensor-parallel rank" in health.json()["error"]["message"]
+
+
+def test_under_torchrun_rank0_serves_and_the_others_join(checkpoints, v4_runs):
+    """`torchrun --nproc-per-node 2 -m server --tensor-parallel-size 2`: the launcher starts both ranks
+    and sets the standard environment; the same tokens as TP=1."""
+    one, _, _ = v4_runs
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
+    with server_process(checkpoints["mixed"], "tiny", "--max-model-len", "512", "--tensor-parallel-size", "2",
+                        "--no-enable-prefix-caching", launcher=torchrun) as server:
+        run = echo(server.base, PROMPT, 12)
+    assert run.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]

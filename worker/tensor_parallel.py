@@ -7,6 +7,9 @@ model's own collectives (models/parallel.py) keep them in lockstep, and rank 0's
 Ranks are started with torch.multiprocessing's spawn context and join torch.distributed through the
 standard environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; `env://`), gloo on CPU,
 NCCL on GPU (NCCL_NVLS_ENABLE=0: no NVLink multicast), plus a gloo group for the plans either way.
+Under torchrun (`torchrun --nproc-per-node N -m server --tensor-parallel-size N ...`) the launcher has
+set that environment and started every rank: rank 0 serves HTTP and its engine joins the others,
+which run `external_rank_main` (no HTTP); a failed rank then ends the engine, and torchrun restarts.
 
 Faults: a rank that exits is seen by a watchdog thread at once; one that hangs makes rank 0's next
 collective fail after `parallel.timeout_s`. Either way the step in flight fails its requests with the
@@ -32,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scheduler.codec import decode_plan, encode_plan
+from worker.launch_env import external_rank, launched_externally
 from scheduler.plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -106,13 +110,25 @@ def leave_group() -> None:
             log.debug("destroying the process group failed", exc_info=True)
 
 
-def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConfig", num_pages: int | None) -> None:
+def external_rank_main(config: "ServeConfig") -> int:
+    """`python -m server` as rank >= 1 under torchrun: no HTTP, only the plans rank 0 sends."""
+    rank, world, local_rank, master = external_rank()
+    if world != config.parallel.tensor_parallel_size:
+        raise ValueError(f"parallel.tensor_parallel_size is {config.parallel.tensor_parallel_size} but the launcher "
+                         f"started {world} ranks (WORLD_SIZE)")
+    rank_main(rank, world, master, config, None, local_rank)
+    return 0
+
+
+def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConfig", num_pages: int | None,
+              local_rank: int | None = None) -> None:
     """Entry point of ranks 1..N-1: build the same runner as rank 0, then run the plans it sends."""
     from server.logging_setup import configure_logging
     from worker.engine_factory import build_runner, resolve_device
 
     configure_logging(logging.INFO, config.server.log_format)
-    group = join_group(rank, world, rank, master, resolve_device(config), config.parallel.timeout_s)
+    local_rank = rank if local_rank is None else local_rank
+    group = join_group(rank, world, local_rank, master, resolve_device(config), config.parallel.timeout_s)
     runner, _ = build_runner(config, plan_group=group, num_pages=num_pages)
     channel = PlanChannel(group)
     while (plan := channel.receive()) is not None:
@@ -127,6 +143,9 @@ class WorkerPool:
         """`build(plan_group=..., num_pages=...)` makes this process's runner (worker/engine_factory.py)."""
         self.config, self.build = config, build
         self.world = config.parallel.tensor_parallel_size
+        self.external = self.world > 1 and launched_externally()  # torchrun started the other ranks
+        if self.external and external_rank()[:2] != (0, self.world):
+            raise ValueError(f"the engine must be rank 0 of {self.world} (RANK / WORLD_SIZE: {external_rank()[:2]})")
         self.processes: list[mp.Process] = []
         self.channel: PlanChannel | None = None
         self.unhealthy: str | None = None  # why the pool cannot run steps now
@@ -146,16 +165,20 @@ class WorkerPool:
             return self.build(plan_group=None, num_pages=num_pages)
         from worker.engine_factory import resolve_device
 
-        master = ("127.0.0.1", free_port())
-        context = mp.get_context("spawn")
-        self.processes = [
-            context.Process(target=rank_main, args=(rank, self.world, master, self.config, num_pages),
-                            name=f"ds4serve-tp-rank{rank}", daemon=True)
-            for rank in range(1, self.world)
-        ]
-        for process in self.processes:
-            process.start()
-        group = join_group(0, self.world, 0, master, resolve_device(self.config), self.config.parallel.timeout_s)
+        local_rank = 0
+        if self.external:
+            _, _, local_rank, master = external_rank()
+        else:
+            master = ("127.0.0.1", free_port())
+            context = mp.get_context("spawn")
+            self.processes = [
+                context.Process(target=rank_main, args=(rank, self.world, master, self.config, num_pages),
+                                name=f"ds4serve-tp-rank{rank}", daemon=True)
+                for rank in range(1, self.world)
+            ]
+            for process in self.processes:
+                process.start()
+        group = join_group(0, self.world, local_rank, master, resolve_device(self.config), self.config.parallel.timeout_s)
         runner, memory_plan = self.build(plan_group=group, num_pages=num_pages)
         self.channel = PlanChannel(group)
         self._dead = None
@@ -198,8 +221,9 @@ class WorkerPool:
         """Called by the engine thread between steps: restarts the pool after a rank failure."""
         if self._dead is None:
             return
-        if self.config.parallel.on_rank_failure == "exit":
-            raise RankFailure(f"{self._dead}; parallel.on_rank_failure is 'exit'")
+        if self.config.parallel.on_rank_failure == "exit" or self.external:
+            why = "the launcher owns the ranks" if self.external else "parallel.on_rank_failure is 'exit'"
+            raise RankFailure(f"{self._dead}; {why}")
         reason = self._dead
         self.unhealthy = f"restarting the tensor-parallel pool after: {reason}"
         started = time.monotonic()
