@@ -255,3 +255,36 @@ def test_a_rank_serves_its_hash_heads_rows_from_every_tier(checkpoints, tmp_path
 def test_a_size_that_does_not_divide_is_refused_by_name(checkpoints):
     with pytest.raises(ConfigError, match=r"vocab_size = 512 does not divide by the tensor parallel size 3"):
         load_model(checkpoints["mixed"], tp=TensorParallel(rank=0, world_size=3))
+
+
+def engram_fault_rank(rank: int, port: int, model_dir: Path, tables: Path, out: Path) -> None:
+    """One rank of a step whose Engram reads fail on rank 1 only (EIO on every page it reads)."""
+    from scheduler import SamplingParams, ScheduledChunk, StepPlan
+    from worker import ModelRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        tp = TensorParallel.from_default_group()
+        model = load_model(model_dir, engram=disk_options(tables), tp=tp)
+        if rank == 1:
+            model.engram_memory.source.reader.inject_error = lambda key: 5  # EIO
+        runner = ModelRunner(model, 1, 64, tp=tp)
+        chunk = ScheduledChunk(request_id="a", slot=0, pages=tuple(runner.cache.default_pages(0).tolist()),
+                               token_ids=tuple(random_tokens(20, seed=3)), position=0, sample=True,
+                               logprob_targets=(), params=SamplingParams(temperature=0.0), num_generated=0)
+        [result] = runner.execute(StepPlan(chunks=(chunk,))).chunks
+        (out / f"rank{rank}.json").write_text(json.dumps({"error": result.error}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_engram_read_failing_on_one_rank_fails_the_request_on_every_rank(checkpoints, tmp_path):
+    """Each rank reads only its heads' rows, so only rank 1 sees the broken reads; the runner sums
+    the failure flags over the group, and rank 0 (whose result the engine reports) fails the request."""
+    tables = tmp_path / "tables"
+    load_model(checkpoints["v41"], engram=disk_options(tables))  # converts the table files once
+    mp.spawn(engram_fault_rank, args=(free_port(), checkpoints["v41"], tables, tmp_path), nprocs=WORLD, join=True)
+    errors = [json.loads((tmp_path / f"rank{rank}.json").read_text())["error"] for rank in range(WORLD)]
+    assert "another tensor-parallel rank" in errors[0]
+    assert "Engram layer" in errors[1]  # rank 1's own reason
