@@ -62,13 +62,26 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (q * scale).reshape(x.shape).to(x.dtype)
 
 
+def fp4_ue8m0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 values, power-of-two scales [..., 1]) of float32 blocks [..., n, block]; shared with the
+    packer (kernels/kv_pack.py), so packed and simulated values are the same numbers."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    scale = pow2_ceil(amax * torch.tensor(1 / FP4_MAX, dtype=torch.float32))
+    return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)), scale
+
+
+def fp4_e4m3_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 values, float8_e4m3fn-valued float32 scales [..., 1]) of float32 blocks [..., n, block]."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-9)
+    scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).float()
+    return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)), scale
+
+
 def fake_quant_fp4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     blocks = _blocks(x, block)
     if blocks is None:
         return x
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
-    scale = pow2_ceil(amax * torch.tensor(1 / FP4_MAX, dtype=torch.float32))
-    q = round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX))
+    q, scale = fp4_ue8m0_parts(blocks)
     return (q * scale).reshape(x.shape).to(x.dtype)
 
 
@@ -76,7 +89,5 @@ def fake_quant_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     blocks = _blocks(x, block)
     if blocks is None:
         return x
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-9)
-    scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).float()
-    q = round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX))
+    q, scale = fp4_e4m3_parts(blocks)
     return (q * scale).reshape(x.shape).to(x.dtype)
