@@ -184,24 +184,12 @@ class ModelCache:
         return [t for t in out if t.shape[1]]  # a ratio-1 source keeps no open group
 
     def copy_slots(self, sources: list[int], targets: list[int]) -> None:
-        """Fixed state of slot sources[i] -> targets[i] (distinct targets), one indexed copy per tensor."""
-        if not sources:
-            return
-        device = self.layers[0].window.device
-        src = torch.tensor(sources, device=device)
-        dst = torch.tensor(targets, device=device)
-        for tensor in self.fixed_tensors():
-            tensor[dst] = tensor[src]
+        """Fixed state of slot sources[i] -> targets[i] (distinct targets)."""
+        _copy_rows(self.fixed_tensors(), sources, targets)
 
     def copy_pages(self, sources: list[int], targets: list[int]) -> None:
         """Paged entries of page sources[i] -> targets[i] in every paged layer."""
-        if not sources:
-            return
-        device = self.layers[0].window.device
-        src = torch.tensor(sources, device=device)
-        dst = torch.tensor(targets, device=device)
-        for tensor in self.paged_tensors():
-            tensor[dst] = tensor[src]
+        _copy_rows(self.paged_tensors(), sources, targets)
 
     def tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -234,3 +222,13 @@ class ModelCache:
     def slot_bytes(self) -> int:
         """Bytes of the fixed per-slot state (windows, open groups, look-back), all slots."""
         return self.nbytes() - self.num_pages * self.page_bytes()
+
+
+def _copy_rows(tensors: list[torch.Tensor], sources: list[int], targets: list[int]) -> None:
+    """tensor[targets[i]] = tensor[sources[i]] for each tensor: one indexed copy per tensor."""
+    if not sources:
+        return
+    src = torch.tensor(sources, device=tensors[0].device)
+    dst = torch.tensor(targets, device=tensors[0].device)
+    for tensor in tensors:
+        tensor[dst] = tensor[src]
