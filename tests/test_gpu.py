@@ -12,7 +12,7 @@ import torch
 from engram_store.store import EngramOptions
 from models import ForwardBatch, ModelCache, load_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
-from tests.conftest import random_tokens
+from tests.conftest import random_tokens, relative_error
 from tests.test_v41_golden import GOLDEN
 from worker import ModelRunner
 
@@ -108,3 +108,49 @@ def test_prefix_cache_hit_on_the_device(checkpoints, deterministic):
     else:
         for a, b in zip(warm.logprobs("warm"), cold.logprobs("cold"), strict=True):
             assert max(abs(x - y) for (_, x), (_, y) in zip(sorted(a.top), sorted(b.top), strict=True)) < 1e-4
+
+
+def nccl_rank(rank: int, world: int, port: int, jobs: list[tuple], out: Path) -> None:
+    """One NCCL rank on cuda:<rank>: its shards of each job's model, the steps of tests/test_tp_model.py."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from models import TensorParallel
+    from tests.test_tp_model import run_steps
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        tp = TensorParallel.from_default_group()
+        torch.save({name: run_steps(load_model(path, device=f"cuda:{rank}", simulate_quantization=simulate, tp=tp),
+                                    prompts)
+                    for name, path, simulate, prompts in jobs}, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_on_nccl_equals_one_gpu(tmp_path, world):
+    """Issue 12: TP=2 / TP=4 over NCCL against TP=1 on one GPU (tiny V4 and V4.1 with o_groups = 4, so
+    that every sharded size divides by 4). Skipped where fewer GPUs are lent."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+
+    from models.tiny import build_tiny_checkpoint
+    from tests.test_tp_model import PROMPTS, free_port, run_steps
+
+    jobs = [(family, build_tiny_checkpoint(tmp_path / family, family=family, o_groups=4), False, PROMPTS)
+            for family in ("v4", "v41")]
+    mp.spawn(nccl_rank, args=(world, free_port(), jobs, tmp_path), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for name, path, simulate, prompts in jobs:
+        single = run_steps(load_model(path, device="cuda", simulate_quantization=simulate), prompts)
+        for k, expected in enumerate(single):
+            assert all(torch.equal(r[name][k], ranks[0][name][k]) for r in ranks), "ranks disagree"
+            assert relative_error(ranks[0][name][k], expected) <= 1e-4, name
+            assert torch.equal(ranks[0][name][k].argmax(-1), expected.argmax(-1)), name

@@ -50,7 +50,7 @@ def free_port() -> int:
 def run_steps(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits [len, vocab] of every position of each prompt, computed in four steps over one cache:
     a first prefill chunk of every prompt, the next chunk, then two decode tokens each."""
-    cache = ModelCache.allocate(model.config, len(prompts), 128)
+    cache = ModelCache.allocate(model.config, len(prompts), 128, device=model.lm_head.weight.device)
     cuts = [(len(p) // 2, len(p) - 2) for p in prompts]
     steps = [[(i, p[:a], 0) for i, (p, (a, _)) in enumerate(zip(prompts, cuts))],
              [(i, p[a:b], a) for i, (p, (a, b)) in enumerate(zip(prompts, cuts))],
@@ -61,7 +61,7 @@ def run_steps(model, prompts: list[list[int]]) -> list[torch.Tensor]:
         batch = ForwardBatch.build(sequences, logits="all")
         logits = model(batch, cache)
         for i, chunk in enumerate(batch.chunks):
-            per_prompt[i].append(logits[chunk.rows])
+            per_prompt[i].append(logits[chunk.rows].cpu())
     return [torch.cat(parts) for parts in per_prompt]
 
 

@@ -93,7 +93,8 @@ def join_group(rank: int, world: int, local_rank: int, master: tuple[str, int], 
     """Initialises torch.distributed from the standard environment; returns the plans' gloo group."""
     os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (device notes)
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")  # NVLink multicast off (device notes)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
