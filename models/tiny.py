@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from models.config import ModelConfig
 from models.engram_setup import engram_hasher
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.random_model import random_tensor
 
 SPECIAL_TOKENS = [
     "<｜begin▁of▁sentence｜>",
@@ -189,38 +189,18 @@ def quantize_engram_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def random_weights(config: ModelConfig, seed: int = 0, engram_tables: bool = True) -> dict[str, torch.Tensor]:
-    """Seeded weights scaled so activations stay O(1) through every layer (no dead branches).
-    `engram_tables=False` leaves the (possibly huge) Engram tables to the caller."""
+    """Seeded weights scaled so activations stay O(1) through every layer (no dead branches), by
+    models/random_model.py's rule. `engram_tables=False` leaves the (possibly huge) Engram tables to
+    the caller."""
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
-
-    def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=generator) * std + mean
-
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        shape, leaf = tensor.shape, name.rsplit(".", 1)[-1]
-        if leaf == "tid2eid":
-            rows = [torch.randperm(config.n_routed_experts, generator=generator)[: shape[1]] for _ in range(shape[0])]
-            weights[name] = torch.stack(rows)
-        elif "norm" in name:
-            weights[name] = normal(shape, 0.1, mean=1.0)
-        elif leaf in ("scale", "hc_scale"):
-            weights[name] = torch.rand(shape, generator=generator) + 0.5
-        elif leaf in ("q_weight", "k_weight"):
-            weights[name] = normal(shape, 0.3, mean=1.0)
-        elif leaf in ("base", "hc_base", "e_score_correction_bias", "e_score_correction_bias_vl"):
-            weights[name] = normal(shape, 0.1)
-        elif leaf in ("sinks", "position_bias"):
-            weights[name] = normal(shape, 0.5)
-        elif name.endswith("embed_tokens.weight"):
-            weights[name] = normal(shape, 1.0)
-        else:  # projections: fan-in is the last dim
-            weights[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        weights[name] = random_tensor(name, tensor.shape, config.n_routed_experts, generator)
     if config.engram is not None and engram_tables:
         for layer, rows in zip(config.engram.layer_ids, config.engram.num_embeddings):
-            values, scales = quantize_engram_rows(normal(torch.Size((rows, config.engram.head_dim)), 1.0))
+            values, scales = quantize_engram_rows(torch.randn((rows, config.engram.head_dim), generator=generator))
             weights[f"model.engram_tables.{layer}.weight"] = values
             weights[f"model.engram_tables.{layer}.weight_scale_inv"] = scales
     return weights
