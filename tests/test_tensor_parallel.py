@@ -60,10 +60,12 @@ def test_v4_tp2_greedy_tokens_are_tp1_teacher_forced_argmax(v4_runs):
     generated = two.choices[0].model_extra["token_ids"]
     prompt_len = len(two.choices[0].model_extra["prompt_token_ids"])
     entries = forced.choices[0].logprobs
-    for k, token in enumerate(generated):
+    for k, _ in enumerate(generated):
         position = prompt_len + k
+        # top_logprobs is keyed by token text, so ids that decode alike keep only the last (lower) one:
+        # the token is the argmax when no listed logprob beats its own
         best = max(entries.top_logprobs[position].values())
-        assert entries.token_logprobs[position] == pytest.approx(best, abs=1e-5), f"token {k} is not TP=1's argmax"
+        assert entries.token_logprobs[position] >= best - 1e-5, f"token {k} is not TP=1's argmax"
 
 
 def test_v41_tp2_prompt_logprobs_within_the_golden_bounds(checkpoints):
