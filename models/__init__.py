@@ -1,6 +1,6 @@
 """DeepSeek-V4 model definitions, checkpoint loading and the tiny default checkpoint."""
 
-from models.batch import ForwardBatch, SequenceChunk
+from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache
 from models.config import ConfigError, ModelConfig
 from models.loader import CheckpointError, load_model
@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DeepseekV4",
+    "DecodeBatch",
     "ForwardBatch",
     "ModelCache",
     "ModelConfig",

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
-from models.batch import ForwardBatch, SequenceChunk
-from models.cache import LayerCache, paged_read
+from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
+from models.cache import LayerCache, paged_gather_rows, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
@@ -84,12 +84,7 @@ class Attention(nn.Module):
         self.rope = RotaryTable(c.main_rope if self.compressor is None else c.compress_rope)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        n_tokens = x.shape[0]
-        cos, sin = self.rope(batch.positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        cos, sin, q_residual, q, kv = self._project(x, batch.positions)
         if self.compressor is not None:
             self.compressor.update(x, batch, cache.compressor, self.rope)
             if self.kind == CSA:
@@ -98,6 +93,47 @@ class Attention(nn.Module):
         for chunk in batch.chunks:
             rows = chunk.rows
             out[rows] = self._attend_chunk(chunk, x[rows], q_residual[rows], q[rows], kv[rows], cache, cos[rows], sin[rows])
+        return self._output(out, cos, sin)
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: LayerCache) -> torch.Tensor:
+        """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows
+        masked by position, then the compressed entries (CSA: the indexer's top-k of every entry the
+        block table can hold; HCA: all of them), masked by visibility."""
+        cos, sin, q_residual, q, kv = self._project(x, batch.positions)
+        keys, valid = window_keys_decode(batch, kv, cache.window)
+        if self.compressor is not None:
+            self.compressor.decode_update(x, batch, cache.compressor, self.rope)
+            entries = cache.compressor.entries
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                indexer.decode_update(x, batch, cache.indexer, self.rope)
+                ids, chosen = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
+                compressed = paged_gather_rows(entries, batch.block_tables, ids)
+            else:
+                compressed = entries[batch.block_tables].flatten(1, 2)
+                count = compressed.shape[1]
+                visible = (batch.positions + 1) // self.compressor.rate
+                chosen = torch.arange(count, device=x.device)[None, :] < visible[:, None]
+            keys, valid = torch.cat([keys, compressed], dim=1), torch.cat([valid, chosen], dim=1)
+        bias = torch.zeros(valid.shape, dtype=keys.dtype, device=x.device).masked_fill(~valid, float("-inf"))
+        scores = torch.einsum("bhd,bkd->bhk", q, keys) * self.head_dim**-0.5 + bias[:, None, :]
+        sink = self.sinks.to(scores.dtype)[None, :, None].expand(scores.shape[0], -1, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+        return self._output(torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys), cos, sin)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, q's low-rank residual, q [T, heads, head_dim], kv [T, head_dim]), both roped."""
+        cos, sin = self.rope(positions)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return cos, sin, q_residual, q, kv
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates the output's rope channels back by the query position, then the grouped low-rank
+        output projection (a partial sum under tensor parallelism, completed here)."""
         out = apply_rope(out, cos, -sin)
         return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
 
@@ -164,3 +200,15 @@ def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> t
     stored = torch.arange(max(p0, p1 - w), p1, device=device)
     ring[chunk.slot, stored % w] = kv[stored - p0]
     return keys, bias
+
+
+def window_keys_decode(batch: DecodeBatch, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stores each sequence's new entry in its slot's ring, then returns the whole ring [B, window, dim]
+    and which rows hold a position of the query's window: row r holds p - ((p - r) mod window), which
+    lies in (p - window, p] and is valid when it is >= 0."""
+    width = ring.shape[1]
+    ring[batch.slots, batch.positions % width] = kv.to(ring.dtype)
+    rows = torch.arange(width, device=kv.device)[None, :]
+    positions = batch.positions[:, None]
+    held = positions - (positions - rows) % width
+    return ring[batch.slots], held >= 0

@@ -79,3 +79,28 @@ class ForwardBatch:
         chunks = tuple(c if c.pages is None else replace(c, pages=c.pages.to(device)) for c in self.chunks)
         return replace(self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
                        logits_rows=self.logits_rows.to(device), chunks=chunks)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A step where every sequence adds exactly one token, as tensors only: the forward over it has
+    shapes fixed by (sequences, block-table width), never reads a value on the host, and so can be
+    captured once in a CUDA graph and replayed with new contents in the same buffers."""
+
+    token_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, the new token's position == tokens its slot already holds
+    slots: torch.Tensor  # [B] int64 cache slots (distinct)
+    block_tables: torch.Tensor  # [B, P] int64 pages of each sequence; entries past its length: any page
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, int, list[int]]], width: int | None = None,
+              device: torch.device | str = "cpu") -> "DecodeBatch":
+        """rows: (slot, token id, position, page ids); tables padded to `width` with their last page."""
+        width = width or max(len(pages) for *_, pages in rows)
+        tables = [list(pages) + [pages[-1]] * (width - len(pages)) for *_, pages in rows]
+        return cls(
+            token_ids=torch.tensor([token for _, token, _, _ in rows], dtype=torch.long, device=device),
+            positions=torch.tensor([position for _, _, position, _ in rows], dtype=torch.long, device=device),
+            slots=torch.tensor([slot for slot, *_ in rows], dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        )

@@ -74,6 +74,13 @@ def paged_gather(store: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor) ->
     return store[pages[ids // per_page], ids % per_page]
 
 
+def paged_gather_rows(store: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per sequence b, the entries at sequence-relative ids[b] through block table tables[b]:
+    tables [B, P], ids [B, k] -> [B, k, dim]."""
+    per_page = store.shape[1]
+    return store[tables.gather(1, ids // per_page), ids % per_page]
+
+
 def page_granularity(config: ModelConfig) -> int:
     """block_tokens must be a multiple of this: every paged layer's rate divides a page evenly."""
     return math.lcm(1, *(r for r in config.compress_rates if r > 0))

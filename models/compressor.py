@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from models.batch import ForwardBatch, SequenceChunk
+from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import PoolerCache, paged_read, paged_write
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
@@ -57,23 +57,53 @@ class WindowPooler(nn.Module):
             paged_write(cache.entries, chunk.pages, first_window, apply_rope(entries, cos, sin))
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, offset: int, first: int, end: int) -> torch.Tensor:
-        rate, dim = self.rate, self.head_dim
+        rate = self.rate
         windows = torch.arange(first, end, device=kv.device)
         rows = windows[:, None] * rate + torch.arange(rate, device=kv.device)[None, :] - offset  # [n, rate]
-        bias = self.position_bias
+        prev_rows = (rows - rate).clamp(min=0)
+        return self._combine(kv[rows], gate[rows], kv[prev_rows], gate[prev_rows], windows == 0)
+
+    def _combine(
+        self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor, no_prev: torch.Tensor
+    ) -> torch.Tensor:
+        """Entries [n, head_dim] from the raw projections [n, rate, width] of each window's tokens and
+        (overlap only) of the window before it; `no_prev` [n] marks window 0, which has none."""
+        dim, bias = self.head_dim, self.position_bias
         if not self.overlap:
-            slot_kv, slot_gate = kv[rows], gate[rows] + bias
+            slot_kv, slot_gate = kv, gate + bias
         else:
-            current_kv, current_gate = kv[rows][..., dim:], gate[rows][..., dim:] + bias[:, dim:]
-            prev_rows = (rows - rate).clamp(min=0)
-            prev_kv, prev_gate = kv[prev_rows][..., :dim], gate[prev_rows][..., :dim] + bias[:, :dim]
-            no_prev = (windows == 0)[:, None, None]
-            prev_kv = prev_kv.masked_fill(no_prev, 0.0)
-            prev_gate = prev_gate.masked_fill(no_prev, float("-inf"))
-            slot_kv = torch.cat([prev_kv, current_kv], dim=1)
-            slot_gate = torch.cat([prev_gate, current_gate], dim=1)
+            missing = no_prev[:, None, None]
+            prev_kv = prev_kv[..., :dim].masked_fill(missing, 0.0)
+            prev_gate = (prev_gate[..., :dim] + bias[:, :dim]).masked_fill(missing, float("-inf"))
+            slot_kv = torch.cat([prev_kv, kv[..., dim:]], dim=1)
+            slot_gate = torch.cat([prev_gate, gate[..., dim:] + bias[:, dim:]], dim=1)
         weights = slot_gate.softmax(dim=1).to(slot_kv.dtype)
         return self.kv_norm((slot_kv * weights).sum(dim=1))
+
+    def decode_update(self, x: torch.Tensor, batch: DecodeBatch, cache: PoolerCache, rope: RotaryTable) -> None:
+        """One token per sequence, without host reads: the token joins its slot's ring; the entry of
+        its window is pooled from the ring every step and written only where the token closes it
+        (elsewhere the page keeps what it held)."""
+        rate, ring = self.rate, cache.ring
+        positions, slots = batch.positions, batch.slots
+        cache.raw_kv[slots, positions % ring] = self.kv_proj(x).to(cache.raw_kv.dtype)
+        cache.raw_gate[slots, positions % ring] = self.gate_proj(x).to(cache.raw_gate.dtype)
+        window = positions // rate
+        start = window * rate
+        rows = (start[:, None] + torch.arange(rate, device=x.device)) % ring  # [B, rate]
+        prev_rows = (rows - rate) % ring
+        ring_rows = slots[:, None]
+        entry = self._combine(
+            cache.raw_kv[ring_rows, rows], cache.raw_gate[ring_rows, rows],
+            cache.raw_kv[ring_rows, prev_rows], cache.raw_gate[ring_rows, prev_rows], window == 0,
+        )
+        cos, sin = rope(start)
+        entry = apply_rope(entry, cos, sin).to(cache.entries.dtype)
+        per_page = cache.entries.shape[1]
+        page = batch.block_tables.gather(1, (window // per_page)[:, None]).squeeze(1)
+        index = window % per_page
+        closes = ((positions + 1) % rate == 0)[:, None]
+        cache.entries[page, index] = torch.where(closes, entry, cache.entries[page, index])
 
 
 class IndexerScorer(nn.Module):
@@ -123,6 +153,24 @@ class Indexer(WindowPooler):
         _, top = stable_topk(total, min(self.topk, n_entries))
         selected = torch.zeros_like(visible).scatter_(1, top, True)
         return selected & visible
+
+
+    def decode_select(
+        self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: PoolerCache,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per sequence, scored against every entry its block table can hold (the table's
+        width fixes the shapes); returns (entry ids [B, k], chosen [B, k]): the top-k by score, and
+        which of them are visible (an id past the visible entries is not chosen)."""
+        n_heads, dim = self.n_heads, self.head_dim
+        keys = cache.entries[batch.block_tables].flatten(1, 2).float()  # [B, n, dim]
+        q = apply_rope(self.q_b_proj(q_residual).view(-1, n_heads, dim), cos, sin).float()
+        weights = self.scorer.weights_proj(x).float() * n_heads**-0.5
+        scores = torch.relu(torch.einsum("bhd,bed->bhe", q, keys)) * dim**-0.5
+        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < ((batch.positions + 1) // self.rate)[:, None]
+        total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        _, ids = stable_topk(total, min(self.topk, keys.shape[1]))
+        return ids, visible.gather(1, ids)
 
 
 class CompressedSparseCompressor(WindowPooler):

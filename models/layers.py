@@ -32,10 +32,18 @@ class RotaryTable:
     def __init__(self, spec: RopeSpec) -> None:
         self.inv_freq = spec.inv_freq()
         self.scale = spec.attention_factor
+        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The frequencies copied to the device once: a host-to-device copy per call would sync each
+        step and cannot be captured in a CUDA graph."""
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from models.attention import Attention
-from models.batch import ForwardBatch
+from models.batch import DecodeBatch, ForwardBatch
 from models.cache import ModelCache
 from models.config import ModelConfig
 from models.hyper import HyperConnection, HyperHead, merge_streams
@@ -32,9 +32,10 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, layer: int) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch | DecodeBatch, cache: ModelCache, layer: int) -> torch.Tensor:
+        attend = self.self_attn.decode if isinstance(batch, DecodeBatch) else self.self_attn
         post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), batch, cache.layers[layer])
+        out = attend(self.input_layernorm(collapsed), batch, cache.layers[layer])
         streams = merge_streams(streams, post, comb, out)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
@@ -65,12 +66,26 @@ class DeepseekV4(nn.Module):
         (written into `out` when the caller owns the buffer)."""
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         self._check(batch, cache)
-        embedded = self.model.embed_tokens(batch.token_ids)
-        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        streams = self._streams(batch.token_ids)
         for index, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, cache, index)
         hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))
         return logits_into(self.lm_head(hidden), out)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch, cache: ModelCache) -> torch.Tensor:
+        """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab]. Reads no
+        value on the host, so worker/cuda_graphs.py captures it; the same numbers as `forward` up to
+        the order of float sums."""
+        streams = self._streams(batch.token_ids)
+        for index, layer in enumerate(self.model.layers):
+            streams = layer(streams, batch, cache, index)
+        return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()
+
+    def _streams(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens copied into each of the hc_mult residual streams."""
+        embedded = self.model.embed_tokens(token_ids)
+        return embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     def _check(self, batch: ForwardBatch, cache: ModelCache) -> None:
         for chunk in batch.chunks:

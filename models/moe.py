@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import stable_topk
+from kernels.batch_invariant import batch_invariant_active
+from kernels.moe import clamped_swiglu, experts_grouped, experts_reference, grouped_mm_supported
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
@@ -29,10 +31,6 @@ SCORE_FUNCTIONS = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda logits: logits.softmax(dim=-1),
 }
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Router(nn.Module):
@@ -82,22 +80,12 @@ class Experts(nn.Module):
         mark_shards(self, gate_up_proj=shard, down_proj=shard)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of this rank's experts for every token (zero where it chose none of them)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in torch.unique(experts).tolist():
-            local = expert - self.first
-            if not 0 <= local < self.held:  # another rank's expert
-                continue
-            token_rows, slot = torch.where(experts == expert)
-            weight = weights[token_rows, slot, None]
-            gate, up = F.linear(x[token_rows], self.gate_up_proj[local]).chunk(2, dim=-1)
-            hidden = clamped_swiglu(gate.float(), up.float(), self.limit)
-            if self.weight_before_down:
-                y = F.linear((hidden * weight).to(x.dtype), self.down_proj[local]).float()
-            else:
-                y = F.linear(hidden.to(x.dtype), self.down_proj[local]).float() * weight
-            out.index_add_(0, token_rows, y)
-        return out
+        """The weighted sum of this rank's experts for every token (zero where it chose none of them):
+        grouped GEMMs on the GPU (no host sync, capturable), the reference loop on the CPU and in
+        deterministic mode (whose batch-invariant GEMMs it goes through)."""
+        use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
+        run = experts_grouped if use_grouped else experts_reference
+        return run(x, weights, experts, self.gate_up_proj, self.down_proj, self.first, self.limit, self.weight_before_down)
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,73 @@
+"""The decode path (one token per sequence, tensors only, what CUDA graphs capture) against the
+chunked forward on the same model and state: float32 logits agree to float-sum order, on CPU.
+
+The sequences decode past the sliding window, through CSA groups (rate 4) whose indexer must pick 4
+of more entries, and past an HCA group (rate 16), from different positions in one batch, with
+block tables wider than they need (what a graph's fixed width gives) and pages out of order."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.moe import experts_grouped, experts_reference
+from models import DecodeBatch, ForwardBatch, ModelCache, ModelConfig
+from models.random_model import build_random_model
+from models.tiny import tiny_config_dict
+from tests.conftest import random_tokens
+
+BLOCK = 16
+WIDTH = 8  # pages in every block table: 128 tokens
+
+
+def build(seed: int = 0):
+    config = ModelConfig.from_dict(tiny_config_dict())
+    return build_random_model(config, torch.float32, "cpu", seed)
+
+
+def test_decode_equals_forward_over_many_steps():
+    torch.manual_seed(0)
+    model = build()
+    starts = [0, 5, 23, 40]  # prompt lengths: the first decodes from an empty slot
+    pages = {slot: [17 - 4 * slot - i for i in range(4)] for slot in range(4)}  # 4 pages, descending
+    caches = [ModelCache.allocate(model.config, 4, 64, num_pages=18, block_tokens=BLOCK) for _ in range(2)]
+    prompts = [random_tokens(n, seed=slot) for slot, n in enumerate(starts)]
+    for cache in caches:
+        rows = [(slot, prompt, 0, pages[slot]) for slot, prompt in enumerate(prompts) if prompt]
+        model(ForwardBatch.build(rows), cache)
+    eager, graphable = caches
+    positions = list(starts)
+    for step in range(24):
+        tokens = random_tokens(4, seed=100 + step)
+        expected = model(ForwardBatch.build([(s, [tokens[s]], positions[s], pages[s]) for s in range(4)]), eager)
+        batch = DecodeBatch.build([(s, tokens[s], positions[s], pages[s]) for s in range(4)], width=WIDTH)
+        actual = model.decode(batch, graphable)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        positions = [p + 1 for p in positions]
+    for expect, got in zip(eager.tensors(), graphable.tensors()):
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_rows_do_not_depend_on_their_neighbours():
+    """A row's logits are the same alone or beside a padding row that writes a scratch slot / page."""
+    model = build(1)
+    cache = ModelCache.allocate(model.config, 3, 64, num_pages=12, block_tokens=BLOCK)
+    prompt = random_tokens(30, seed=3)
+    model(ForwardBatch.build([(0, prompt, 0, [0, 1, 2, 3])]), cache)
+    cache.copy_slots([0], [1])
+    cache.copy_pages([0, 1, 2, 3], [4, 5, 6, 7])
+    alone = model.decode(DecodeBatch.build([(0, 9, 30, [0, 1, 2, 3])], width=WIDTH), cache)
+    padded = model.decode(DecodeBatch.build([(1, 9, 30, [4, 5, 6, 7]), (2, 0, 0, [11])], width=WIDTH), cache)
+    torch.testing.assert_close(padded[:1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_equal_the_reference_loop():
+    """The capturable grouped-GEMM path (CPU fallback here, CUTLASS on the GPU: tests/test_gpu.py)
+    against the loop, with a rank's run of experts [2, 6) so other ranks' choices contribute zero."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 32, generator=generator)
+    experts = torch.randint(0, 8, (7, 3), generator=generator)
+    weights = torch.rand(7, 3, generator=generator)
+    gate_up, down = torch.randn(4, 48, 32, generator=generator), torch.randn(4, 32, 24, generator=generator)
+    for before_down in (False, True):
+        args = (x, weights, experts, gate_up, down, 2, 7.0, before_down)
+        torch.testing.assert_close(experts_grouped(*args), experts_reference(*args), rtol=1e-5, atol=1e-5)
