@@ -27,9 +27,14 @@ from server.launch import ensure_default_model
 from worker import ModelRunner
 
 
+def pages_holding(runner: ModelRunner, slot: int, tokens: int) -> tuple[int, ...]:
+    """The first pages of the slot's default ones that hold `tokens` tokens (a block manager's table)."""
+    return tuple(runner.cache.default_pages(slot)[: -(-tokens // runner.cache.block_tokens)].tolist())
+
+
 def chunk(runner: ModelRunner, slot: int, tokens: list[int], position: int) -> ScheduledChunk:
     return ScheduledChunk(
-        request_id=str(slot), slot=slot, pages=tuple(runner.cache.default_pages(slot).tolist()),
+        request_id=str(slot), slot=slot, pages=pages_holding(runner, slot, position + len(tokens)),
         token_ids=tuple(tokens), position=position, sample=True,
         logprob_targets=(), params=SamplingParams(temperature=0.0, max_tokens=1 << 20), num_generated=0,
     )

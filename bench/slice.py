@@ -188,8 +188,10 @@ def decode_steps(
         for s in range(concurrency):
             positions[s] += 1
 
+    graphs, runner.graphs = runner.graphs, None  # the probe runs eagerly: graph replays fire no hooks
     with routed_experts(runner.model) as touched:
         step()
+    runner.graphs = graphs
     first = positions[:concurrency]
     durations: list[float] = []
     began = time.perf_counter()
@@ -223,7 +225,8 @@ def cmd_decode(args: argparse.Namespace, model: torch.nn.Module, fields: dict[st
     max_len = max(args.context) + len(args.concurrency) * (args.steps + 1) + 1
     generator = torch.Generator().manual_seed(args.seed)
     for mode in args.modes:
-        runner = ModelRunner(model, most, max_len, device=args.device, deterministic=mode == "deterministic")
+        runner = ModelRunner(model, most, max_len, device=args.device, deterministic=mode == "deterministic",
+                             cuda_graphs=mode == "default")
         for context in args.context:
             prefill_slot(runner, 0, random_tokens(generator, model.config.vocab_size, context), args.prefill_chunk)
             copy_slot_to_all(runner, most)
@@ -268,7 +271,7 @@ def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict
 
     copy_bps, _ = ceilings(args, model, fields)
     hf = hf_sharing_weights(model, raw, args.hf_experts)
-    runner = ModelRunner(model, max(args.concurrency), args.prompt_len + args.steps + 2, device=args.device)
+    runner = ModelRunner(model, max(args.concurrency), args.prompt_len + args.steps + 2, device=args.device, cuda_graphs=True)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
     warm = torch.tensor([random_tokens(generator, vocab, args.prompt_len)], device=args.device)
@@ -304,7 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[0, 8192])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--modes", nargs="+", default=["default"], choices=["default", "deterministic"])
+    parser.add_argument("--modes", nargs="+", default=["default"], choices=["default", "eager", "deterministic"],
+                        help="default: decode steps replay CUDA graphs; eager: --enforce-eager; deterministic")
     parser.add_argument("--row-budget-s", type=float, default=30.0, help="timing budget of one decode row")
     parser.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--prompt-len", type=int, default=512, help="transformers: prompt tokens per row")

@@ -13,6 +13,8 @@ holds them).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,12 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     """CUDA's grouped GEMM takes bf16 only (and sm90+); the CPU fallback takes any float dtype."""
     if x.device.type == "cpu":
         return True
-    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.dtype == torch.bfloat16 and _capability(x.device.index or 0) >= 9
+
+
+@functools.cache
+def _capability(device: int) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def experts_reference(

@@ -84,6 +84,8 @@ class ParallelSection(Section):
 
 class RuntimeSection(Section):
     deterministic: bool = False
+    # decode steps replay CUDA graphs on the GPU (worker/cuda_graphs.py); true: every step eager, as vLLM's flag
+    enforce_eager: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
@@ -159,6 +161,7 @@ FLAG_KEYS = {
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "deterministic": "runtime.deterministic",
+    "enforce_eager": "runtime.enforce_eager",
     "device": "runtime.device",
 }
 

@@ -146,3 +146,20 @@ def test_eos_and_stop_ids_do_not_end_a_request_before_min_tokens():
     plan, outputs = step(sched, 6)
     assert plan.chunks[0].params.stop_token_ids == (6,)  # min_tokens reached: as the client sent them
     assert outputs[0].finished and outputs[0].finish_reason == "stop"
+
+
+def test_batched_argmax_draws_what_sample_draws():
+    """The runner draws plain greedy rows of a step together: same tokens (ties to the lowest id) and
+    the same logprobs as one `sample` call per row."""
+    from worker.sampler import argmax_rows, draws_plain_argmax
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4))
+    logits[2, 17] = logits[2, 40] = logits[2].max() + 1.0  # a tie
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert draws_plain_argmax(params, 0)
+    assert not draws_plain_argmax(SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), 0)
+    assert not draws_plain_argmax(SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=0.5), 0)
+    assert not draws_plain_argmax(SamplingParams(temperature=0.7, max_tokens=4), 0)
+    batched = argmax_rows(logits)
+    assert batched[2].token_id == 17
+    assert batched == [sample(row, params, 0) for row in logits]

@@ -139,21 +139,25 @@ def build_runner(
     runner = ModelRunner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE,
+        snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
     )
     return runner, memory_plan
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:
-    """Profiles one largest step on a probe cache just big enough for it, then sizes the real one."""
+    """Profiles one largest step on a probe cache just big enough for it, then sizes the real one.
+    The workspace counts the CUDA graph pool the probe's capture reserved (graphs are captured on it
+    too, so the figure is measured, not guessed)."""
     sched = config.scheduler
     probe = ModelRunner(
         model, sched.max_num_seqs, max_len, device=device, block_tokens=sched.block_tokens,
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots,
+        snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
+    if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets
+        workspace += probe.graphs.pool_bytes
     for buffer in (probe.logits, probe.last_logits):  # the runner's logits buffers
         if buffer is not None:
             workspace += buffer.numel() * buffer.element_size()

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 from kernels.batch_invariant import BatchInvariantMode
+from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.model_v41 import DeepseekV41
 from scheduler.plan import ChunkResult, StepPlan, StepResult
-from worker.sampler import sample, token_logprobs
+from worker.cuda_graphs import DecodeGraphs, DecodeRow
+from worker.sampler import argmax_rows, draws_plain_argmax, sample, token_logprobs
 
 
 class ModelRunner:
@@ -33,21 +35,36 @@ class ModelRunner:
         deterministic: bool = False,
         snapshot_slots: int = 0,
         tp: TensorParallel = SINGLE,
+        cuda_graphs: bool = False,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
         step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it.
         `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots.
-        `tp`: the model's tensor-parallel group (Engram read failures are combined over it)."""
+        `tp`: the model's tensor-parallel group (Engram read failures are combined over it).
+        `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) where the model has a
+        decode path (V4), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
+        has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
+        then has one more slot and page (scratch)."""
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
         dtype = model.lm_head.weight.dtype
+        graphs = (cuda_graphs and str(device).startswith("cuda") and hasattr(model, "decode")
+                  and grouped_mm_supported(model.lm_head.weight) and not deterministic and tp.world_size == 1)
+        scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
-            model.config, num_slots + snapshot_slots, max_model_len, dtype=dtype, device=device,
-            num_pages=num_pages, block_tokens=block_tokens,
+            model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
+            num_pages=None if num_pages is None else num_pages + scratch, block_tokens=block_tokens,
         )
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            scratch_slot = num_slots + snapshot_slots
+            scratch_page = num_pages if num_pages is not None else int(self.cache.default_pages(scratch_slot)[0])
+            max_pages = -(-max_model_len // self.cache.block_tokens)
+            self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page)
+            self.graphs.capture()
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
         # with a prefix cache: each slot's logits of its last sampled position, part of the slot's state,
@@ -63,26 +80,19 @@ class ModelRunner:
         chunk_logits: dict[str, torch.Tensor] = {}
         failed_chunks: dict[str, str] = {}
         if computed:
-            batch = ForwardBatch.build(
-                [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=logit_rows
-            )
-            n_rows = sum(len(rows) for rows in logit_rows)
-            out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
-            with BatchInvariantMode() if self.deterministic else nullcontext():
-                logits = self.model(batch, self.cache, out=out)
-            failed = self._engram_failures(batch.token_ids.shape[0])
-            offset = 0
-            for chunk, rows, batch_chunk in zip(computed, logit_rows, batch.chunks):
-                chunk_logits[chunk.request_id] = logits[offset : offset + len(rows)]
-                offset += len(rows)
-                span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
-                error = next((failed[r] for r in span if r in failed), None)
-                if error is not None:
-                    failed_chunks[chunk.request_id] = error
+            if self._replays_graph(computed):
+                logits = self.graphs.run([DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed])
+                for index, (chunk, rows) in enumerate(zip(computed, logit_rows)):
+                    chunk_logits[chunk.request_id] = logits[index : index + len(rows)]
+            else:
+                self._forward(computed, logit_rows, chunk_logits, failed_chunks)
             self._keep_last_logits(computed, chunk_logits)
         results = []
+        drawn = self._draw_plain_argmax(plan, chunk_logits, failed_chunks)
         for chunk in plan.chunks:
-            if chunk.request_id in failed_chunks:
+            if chunk.request_id in drawn:
+                results.append(drawn[chunk.request_id])
+            elif chunk.request_id in failed_chunks:
                 results.append(ChunkResult(request_id=chunk.request_id, sampled=None, error=failed_chunks[chunk.request_id]))
             elif chunk.token_ids:
                 results.append(self._chunk_result(chunk, chunk_logits[chunk.request_id]))
@@ -90,6 +100,41 @@ class ModelRunner:
                 results.append(self._chunk_result(chunk, self.last_logits[chunk.slot : chunk.slot + 1]))
         self._hint_next_rows(plan, results)
         return StepResult(chunks=tuple(results))
+
+    def _replays_graph(self, computed: list) -> bool:
+        return self.graphs is not None and all(len(c.token_ids) == 1 for c in computed) and self.graphs.fits(
+            [DecodeRow(c.slot, 0, c.position, c.pages) for c in computed])
+
+    def _forward(self, computed: list, logit_rows: list[list[int]], chunk_logits: dict, failed_chunks: dict) -> None:
+        """The eager forward over the flat batch of chunks; fills each chunk's logits and Engram errors."""
+        batch = ForwardBatch.build(
+            [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=logit_rows
+        )
+        n_rows = sum(len(rows) for rows in logit_rows)
+        out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
+        with BatchInvariantMode() if self.deterministic else nullcontext():
+            logits = self.model(batch, self.cache, out=out)
+        failed = self._engram_failures(batch.token_ids.shape[0])
+        offset = 0
+        for chunk, rows, batch_chunk in zip(computed, logit_rows, batch.chunks):
+            chunk_logits[chunk.request_id] = logits[offset : offset + len(rows)]
+            offset += len(rows)
+            span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+            error = next((failed[r] for r in span if r in failed), None)
+            if error is not None:
+                failed_chunks[chunk.request_id] = error
+
+    @staticmethod
+    def _draw_plain_argmax(plan: StepPlan, chunk_logits: dict, failed_chunks: dict) -> dict[str, ChunkResult]:
+        """The results of computed chunks that only draw a plain greedy token (the common decode row),
+        drawn in one batch."""
+        plain = [c for c in plan.chunks if c.token_ids and c.sample and not c.logprob_targets
+                 and c.request_id not in failed_chunks and draws_plain_argmax(c.params, c.num_generated)]
+        if len(plain) < 2:
+            return {}
+        rows = torch.stack([chunk_logits[c.request_id][-1] for c in plain])
+        return {c.request_id: ChunkResult(request_id=c.request_id, sampled=token)
+                for c, token in zip(plain, argmax_rows(rows))}
 
     def _keep_last_logits(self, computed: list, chunk_logits: dict[str, torch.Tensor]) -> None:
         if self.last_logits is None:

@@ -56,6 +56,22 @@ def _adjusted(
     return logits
 
 
+def draws_plain_argmax(params: SamplingParams, draw_index: int) -> bool:
+    """Greedy with nothing that reshapes the draw and no top logprobs: such rows of a step are drawn
+    together by `argmax_rows` (one device sync for the batch instead of two per row)."""
+    banning = draw_index < params.min_tokens and bool(params.stop_token_ids)
+    return params.greedy and not (params.logit_bias or banning or params.penalizes_output or params.logprobs)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[TokenLogprob]:
+    """logits [n, vocab] float32 -> each row's argmax (lowest id among equal maxima) with its logprob;
+    the same tokens and logprobs as `sample` gives each row of a plain greedy request."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens.tolist(), chosen.tolist())]
+
+
 def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:

@@ -1,0 +1,134 @@
+"""CUDA graphs for decode steps: the model's decode path captured once per (batch size, block-table
+width) bucket, replayed with new inputs copied into the same static buffers.
+
+A decode step of a MoE model launches a few hundred small kernels; launched one by one from Python
+they cost more than the weights take to read. A graph launches them all at once. What makes the
+decode path capturable is `DeepseekV4.decode`: shapes fixed by the batch, no host reads.
+
+- Batch buckets 1, 2, 4, 8, then multiples of 8 up to max_num_seqs (as vLLM); a step of n sequences
+  replays the smallest bucket >= n, its extra rows padding: they decode token 0 at position 0 into a
+  scratch slot and a scratch page that no request owns.
+- Width buckets: the decode path reads every entry a block table can hold, so the table width is
+  bucketed too (4,096 tokens, then x4, up to max_model_len); a step uses the smallest width that
+  holds its longest sequence.
+- Inputs live in one static int64 buffer [max batch, 3 + max width] (token, position, slot, pages);
+  each step fills a pinned host copy of the rows it uses and copies it in one transfer. Graphs share
+  one memory pool, captured largest first; their outputs (float32 logits) stay valid until the next
+  replay of the same graph.
+After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
+and reserved bytes across a served decode run).
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from models import DecodeBatch, ModelCache
+
+log = logging.getLogger("ds4serve.worker")
+
+TOKEN, POSITION, SLOT, PAGES = 0, 1, 2, 3  # columns of the input buffer
+FIRST_WIDTH_TOKENS = 4096
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+def width_buckets(max_pages: int, block_tokens: int) -> list[int]:
+    widths, tokens = [], FIRST_WIDTH_TOKENS
+    while tokens < max_pages * block_tokens:
+        widths.append(-(-tokens // block_tokens))
+        tokens *= 4
+    return widths + [max_pages]
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    slot: int
+    token_id: int
+    position: int
+    pages: tuple[int, ...]
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache: ModelCache, max_batch: int, max_pages: int, scratch_slot: int, scratch_page: int):
+        """`max_pages`: the widest block table (pages of max_model_len); `scratch_slot` /
+        `scratch_page`: cache rows no request owns, written by padding rows."""
+        self.model, self.cache = model, cache
+        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        self.sizes = batch_buckets(max_batch)
+        self.widths = width_buckets(max_pages, cache.block_tokens)
+        device = model.lm_head.weight.device
+        self.inputs = torch.zeros(max_batch, PAGES + max_pages, dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True)
+        self.host = self.staging.numpy()  # the same pinned memory, written without torch's per-op cost
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool_bytes = 0
+        self.replays = 0
+
+    def static_batch(self, size: int, width: int) -> DecodeBatch:
+        """The bucket's batch: views of the static input buffer the graph reads."""
+        rows = self.inputs[:size]
+        return DecodeBatch(rows[:, TOKEN], rows[:, POSITION], rows[:, SLOT], rows[:, PAGES : PAGES + width])
+
+    def _fill_padding(self, first: int, size: int) -> None:
+        pad = self.host[first:size]
+        pad[:, TOKEN] = 0
+        pad[:, POSITION] = 0
+        pad[:, SLOT] = self.scratch_slot
+        pad[:, PAGES:] = self.scratch_page
+
+    def capture(self) -> None:
+        """Warms every bucket up eagerly on a side stream, then captures them largest first."""
+        self._fill_padding(0, self.inputs.shape[0])
+        self.inputs.copy_(self.staging)
+        keys = [(size, width) for width in self.widths for size in self.sizes]
+        reserved = torch.cuda.memory_reserved()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size, width in keys:
+                self.model.decode(self.static_batch(size, width), self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for size, width in sorted(keys, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size, width] = self.model.decode(self.static_batch(size, width), self.cache)
+            self.graphs[size, width] = graph
+        torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+        log.info("captured %d decode graphs (batch %s x table width %s pages), %.1f MiB",
+                 len(self.graphs), self.sizes, self.widths, self.pool_bytes / 2**20)
+
+    def fits(self, rows: list[DecodeRow]) -> bool:
+        return 0 < len(rows) <= self.sizes[-1] and max(len(r.pages) for r in rows) <= self.widths[-1]
+
+    def bucket(self, rows: list[DecodeRow]) -> tuple[int, int]:
+        """(batch size, table width) of the graph that runs these rows."""
+        size = self.sizes[bisect_left(self.sizes, len(rows))]
+        return size, self.widths[bisect_left(self.widths, max(len(r.pages) for r in rows))]
+
+    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of one decode step (a view of the graph's output)."""
+        n = len(rows)
+        size, width = self.bucket(rows)
+        host = self.host
+        for i, row in enumerate(rows):
+            host[i, TOKEN], host[i, POSITION], host[i, SLOT] = row.token_id, row.position, row.slot
+            host[i, PAGES : PAGES + len(row.pages)] = row.pages
+            host[i, PAGES + len(row.pages) : PAGES + width] = row.pages[-1]
+        self._fill_padding(n, size)
+        # one transfer; the pinned rows are not written again before this step's logits are read
+        self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        self.graphs[size, width].replay()
+        self.replays += 1
+        return self.outputs[size, width][:n]
