@@ -5,6 +5,7 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
                                  [--modes default deterministic] [--row-budget-s 30]
     python -m bench.slice ttft [--prompt 1024 8192 32768] [--prefill-chunk 2048] [--repeats 2]
     python -m bench.slice transformers [--concurrency 1 8 32] [--prompt-len 512] [--steps 32]
+    python -m bench.slice profile [--concurrency 1 32] [--steps 8] [--top 40] [--enforce-eager]
     common: [--config configs/models/DeepSeek-V4-Flash/config.json] [--layers 4] [--device cuda|cpu]
             [--dtype bfloat16] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
 
@@ -238,6 +239,34 @@ def cmd_decode(args: argparse.Namespace, model: torch.nn.Module, fields: dict[st
         del runner
 
 
+def cmd_profile(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
+    """Where a decode step's device time goes: torch.profiler over --steps steps per concurrency at
+    context 0 (graph replays included: CUPTI reports the kernels inside them), one line per kernel
+    name with calls and microseconds per step, heaviest first (--top of them), then the step total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    most = max(args.concurrency)
+    runner = ModelRunner(model, most, 4096, device=args.device, cuda_graphs=not args.enforce_eager)
+    generator = torch.Generator().manual_seed(args.seed)
+    for concurrency in args.concurrency:
+        positions = [0] * most
+        decode_steps(runner, positions, concurrency, 3, 1.0, generator)  # warm-up
+        on_gpu = args.device == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            decode_steps(runner, positions, concurrency, args.steps, 60.0, generator)
+        steps = args.steps + 1  # decode_steps runs one untimed probe step first
+        kind = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+        events = [e for e in prof.key_averages() if e.device_type == kind]
+        spent = {id(e): e.self_device_time_total if on_gpu else e.self_cpu_time_total for e in events}
+        events.sort(key=lambda e: spent[id(e)], reverse=True)
+        for event in events[: args.top]:
+            emit({"bench": "slice.profile", "concurrency": concurrency, "kernel": event.key[:160],
+                  "calls_per_step": event.count / steps, "us_per_step": spent[id(event)] / steps}, fields)
+        emit({"bench": "slice.profile.total", "concurrency": concurrency, "graphs": runner.graphs is not None,
+              "kernels_per_step": sum(e.count for e in events) / steps,
+              "device_us_per_step": sum(spent.values()) / steps}, fields)
+
+
 def prefill_once(runner: ModelRunner, tokens: list[int], chunk_tokens: int) -> float:
     """Seconds from the first chunk's launch to the first sampled token, chunk by chunk from position 0."""
     synchronize(runner.device)
@@ -296,7 +325,7 @@ def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda = torch.cuda.is_available()
-    parser.add_argument("command", choices=["decode", "ttft", "transformers"])
+    parser.add_argument("command", choices=["decode", "ttft", "transformers", "profile"])
     parser.add_argument("--config", default=str(FLASH_CONFIG), help="a deepseek_v4 config.json")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
@@ -314,6 +343,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=512, help="transformers: prompt tokens per row")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk (the engine's default)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--top", type=int, default=40, help="profile: kernels listed per concurrency")
+    parser.add_argument("--enforce-eager", action="store_true", help="profile: eager steps, no CUDA graphs")
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers' experts implementation")
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
@@ -330,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd_decode(args, model, fields)
     elif args.command == "ttft":
         cmd_ttft(args, model, fields)
+    elif args.command == "profile":
+        cmd_profile(args, model, fields)
     else:
         cmd_transformers(args, model, raw, fields)
 
