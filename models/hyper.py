@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.hyper import hc_mixes
 from models.config import ModelConfig
 from models.layers import unweighted_rms_norm
 
@@ -34,22 +35,8 @@ class HyperConnection(nn.Module):
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]) in float32. V4.1 collapses with
         the previous site's `pre`, so it needs the mixes without the collapse."""
-        n = self.n
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        return pre, post, self._sinkhorn(comb)
-
-    def _sinkhorn(self, comb: torch.Tensor) -> torch.Tensor:
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return comb
+        logits = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        return hc_mixes(logits, self.base, self.scale, self.n, self.iters, self.hc_eps)
 
 
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

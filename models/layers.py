@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.norm import rms_norm
 from models.config import RopeSpec
 
 
@@ -17,13 +18,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return rms_norm(x, None, eps)
 
 
 class RotaryTable:

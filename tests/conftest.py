@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from models.tiny import build_tiny_checkpoint
+if not torch.cuda.is_available():  # Triton kernels then run on CPU tensors in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from models.tiny import build_tiny_checkpoint  # noqa: E402  (after TRITON_INTERPRET: kernels read it on import)
 
 # Three tiny configs that differ in layer types, hash layers, hc_mult, window, rope and key spelling.
 ORACLE_CONFIGS = {

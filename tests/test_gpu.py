@@ -246,3 +246,16 @@ def test_graph_decode_makes_no_allocation():
         runner.graphs.run([spare])
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == requests
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_kernels_compiled_equal_their_references(seed):
+    """The comparisons of tests/test_triton_kernels.py, compiled for the GPU, at V4-Flash widths too."""
+    from tests.test_triton_kernels import check_hc_mixes, check_rms_norm
+
+    check_hc_mixes(4, tokens=33, seed=seed, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        for weighted in (True, False):
+            check_rms_norm((5, 16384), dtype, weighted, seed, device="cuda")  # mHC: 4 streams x 4096
+            check_rms_norm((3, 64, 512), dtype, weighted, seed, device="cuda")  # q heads
+            check_rms_norm((7, 1500), dtype, weighted, seed, device="cuda")

@@ -1,0 +1,47 @@
+"""Triton kernels against their torch references, on fresh random inputs. On CPU they run in
+Triton's interpreter (TRITON_INTERPRET=1, set by conftest), which checks the kernels' indexing and
+arithmetic; tests/test_gpu.py runs the same comparisons compiled on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.hyper import hc_mixes_reference, hc_mixes_triton  # noqa: E402
+from kernels.norm import rms_norm_reference, rms_norm_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_hc_mixes(n: int, tokens: int, seed: int, device: str = DEVICE) -> None:
+    generator = torch.Generator(device).manual_seed(seed)
+    logits = torch.randn(tokens, (2 + n) * n, generator=generator, device=device) * 3
+    base = torch.randn((2 + n) * n, generator=generator, device=device)
+    scale = torch.rand(3, generator=generator, device=device) + 0.5
+    expected = hc_mixes_reference(logits, base, scale, n, 20, 1e-6)
+    for got, want in zip(hc_mixes_triton(logits, base, scale, n, 20, 1e-6), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int, device: str = DEVICE) -> None:
+    generator = torch.Generator(device).manual_seed(seed)
+    x = (torch.randn(shape, generator=generator, device=device) * 2).to(dtype)
+    weight = torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
+    got, want = rms_norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_hc_mixes_kernel_equals_the_reference(n):
+    check_hc_mixes(n, tokens=6, seed=n)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_equals_the_reference(dtype, weighted):
+    check_rms_norm((3, 1500), dtype, weighted, seed=1)  # two blocks of 1024, the second partial
+    check_rms_norm((2, 4, 32), dtype, weighted, seed=2)  # per head, one short block
