@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.attention import decode_attention
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, paged_gather_rows, paged_read
@@ -115,12 +116,7 @@ class Attention(nn.Module):
                 visible = (batch.positions + 1) // self.compressor.rate
                 chosen = torch.arange(count, device=x.device)[None, :] < visible[:, None]
             keys, valid = torch.cat([keys, compressed], dim=1), torch.cat([valid, chosen], dim=1)
-        bias = torch.zeros(valid.shape, dtype=keys.dtype, device=x.device).masked_fill(~valid, float("-inf"))
-        scores = torch.einsum("bhd,bkd->bhk", q, keys) * self.head_dim**-0.5 + bias[:, None, :]
-        sink = self.sinks.to(scores.dtype)[None, :, None].expand(scores.shape[0], -1, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-        return self._output(torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys), cos, sin)
+        return self._output(decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, sin)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(cos, sin, q's low-rank residual, q [T, heads, head_dim], kv [T, head_dim]), both roped."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels.norm import rms_norm
+from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
 from models.config import RopeSpec
 
 
@@ -43,20 +44,6 @@ class RotaryTable:
         if device not in self._on_device:
             self._on_device[device] = self.inv_freq.to(device)
         return self._on_device[device]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved (GPT-J) rotation of the trailing `2 * cos.shape[-1]` channels of x, in float32.
-
-    x is [N, D] or [N, heads, D]; cos / sin are [N, rope_dim / 2]. Pass -sin for the inverse rotation.
-    """
-    rope_dim = 2 * cos.shape[-1]
-    if x.dim() == 3:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    rope = x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
 
 
 def logits_into(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

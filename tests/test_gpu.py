@@ -259,3 +259,21 @@ def test_triton_kernels_compiled_equal_their_references(seed):
             check_rms_norm((5, 16384), dtype, weighted, seed, device="cuda")  # mHC: 4 streams x 4096
             check_rms_norm((3, 64, 512), dtype, weighted, seed, device="cuda")  # q heads
             check_rms_norm((7, 1500), dtype, weighted, seed, device="cuda")
+
+
+@pytest.mark.parametrize("n_keys", [1, 200, 640])
+def test_decode_attention_kernel_compiled_equals_the_reference(n_keys):
+    """V4-Flash widths: 64 heads of 512, window 128 + top-512 entries at most."""
+    from tests.test_triton_kernels import check_decode_attention
+
+    check_decode_attention(batch=4, heads=64, n_keys=n_keys, dim=512, dtype=torch.bfloat16, seed=n_keys, device="cuda")
+    check_decode_attention(batch=2, heads=4, n_keys=n_keys, dim=32, dtype=torch.bfloat16, seed=n_keys, device="cuda")
+
+
+def test_rope_kernel_compiled_equals_the_reference():
+    from tests.test_triton_kernels import check_rope
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check_rope((3, 64, 512), 64, dtype, seed=0, device="cuda")  # q heads of V4-Flash
+        check_rope((7, 512), 64, dtype, seed=1, device="cuda")  # kv, pooled entries
+        check_rope((2, 64, 128), 64, dtype, seed=2, device="cuda")  # indexer heads

@@ -45,3 +45,44 @@ def test_hc_mixes_kernel_equals_the_reference(n):
 def test_rms_norm_kernel_equals_the_reference(dtype, weighted):
     check_rms_norm((3, 1500), dtype, weighted, seed=1)  # two blocks of 1024, the second partial
     check_rms_norm((2, 4, 32), dtype, weighted, seed=2)  # per head, one short block
+
+
+def check_decode_attention(batch: int, heads: int, n_keys: int, dim: int, dtype: torch.dtype, seed: int,
+                           device: str = DEVICE) -> None:
+    from kernels.attention import decode_attention_reference, decode_attention_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=generator, device=device).to(dtype)
+    keys = torch.randn(batch, n_keys, dim, generator=generator, device=device).to(dtype)
+    valid = torch.rand(batch, n_keys, generator=generator, device=device) < 0.7
+    valid[0] = False  # a sequence with nothing visible: only the sink, so zeros
+    sinks = torch.randn(heads, generator=generator, device=device)
+    got = decode_attention_triton(q, keys, valid, sinks, dim**-0.5)
+    want = decode_attention_reference(q.float(), keys.float(), valid, sinks, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    assert not got[0].any()
+
+
+def test_decode_attention_kernel_equals_the_reference():
+    """Heads not a multiple of the 16-head block, keys not a multiple of the 32-key block."""
+    check_decode_attention(batch=3, heads=20, n_keys=45, dim=32, dtype=torch.float32, seed=0)
+
+
+def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
+    from kernels.rope import apply_rope_reference, apply_rope_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(shape, generator=generator, device=device).to(dtype)
+    angles = torch.rand(shape[0], rope_dim // 2, generator=generator, device=device) * 6
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+    for sign in (1, -1):
+        got, want = apply_rope_triton(x, cos, sign * sin), apply_rope_reference(x, cos, sign * sin)
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        assert torch.equal(got[..., :-rope_dim], x[..., :-rope_dim])
+
+
+def test_rope_kernel_equals_the_reference():
+    check_rope((5, 3, 32), 8, torch.float32, seed=0)  # per head
+    check_rope((4, 16), 16, torch.float32, seed=1)  # every channel rotated

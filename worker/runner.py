@@ -130,7 +130,7 @@ class ModelRunner:
         drawn in one batch."""
         plain = [c for c in plan.chunks if c.token_ids and c.sample and not c.logprob_targets
                  and c.request_id not in failed_chunks and draws_plain_argmax(c.params, c.num_generated)]
-        if len(plain) < 2:
+        if not plain:
             return {}
         rows = torch.stack([chunk_logits[c.request_id][-1] for c in plain])
         return {c.request_id: ChunkResult(request_id=c.request_id, sampled=token)

@@ -1,0 +1,71 @@
+"""Interleaved (GPT-J) RoPE on the trailing channels of each row, as DeepSeek-V4 applies it.
+
+x is [N, D] or [N, heads, D]; cos / sin are [N, R / 2] float32 (R rotated channels, the last R of D).
+Pairs (2i, 2i + 1) of the rotated part turn by angle i of their row's position, in float32, and are
+cast back; the first D - R channels pass through. In torch that is ~10 kernels (cast, strided
+slices, stack, cat) and a decode layer applies it five to seven times, so on the GPU `apply_rope`
+is one Triton program per row (one head of one token). `apply_rope_reference` is the torch
+definition (the CPU path and the oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path runs
+    triton = None
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rope_dim = 2 * cos.shape[-1]
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    rope = x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pass -sin for the inverse rotation."""
+    dim = x.shape[-1]
+    if triton is None or not x.is_cuda or dim & (dim - 1):
+        return apply_rope_reference(x, cos, sin)
+    return apply_rope_triton(x, cos, sin)
+
+
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dim, half = x.shape[-1], cos.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1 or rows.stride(0) != dim:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rope_kernel[(rows.shape[0],)](
+            rows, cos.float().contiguous(), sin.float().contiguous(), out, heads, half, D=dim
+        )
+    return out.view(x.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, half, D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        token = row // heads
+        channel = tl.arange(0, D)
+        value = tl.load(x_ptr + row * D + channel)
+        partner = tl.load(x_ptr + row * D + (channel ^ 1)).to(tl.float32)  # the other half of the pair
+        rotated_index = channel - (D - 2 * half)
+        in_rope = rotated_index >= 0
+        angle = tl.where(in_rope, rotated_index // 2, 0)
+        c = tl.load(cos_ptr + token * half + angle, mask=in_rope, other=1.0)
+        s = tl.load(sin_ptr + token * half + angle, mask=in_rope, other=0.0)
+        sign = tl.where(channel % 2 == 0, -1.0, 1.0)
+        turned = value.to(tl.float32) * c + sign * partner * s
+        out = tl.where(in_rope, turned.to(value.dtype), value)
+        tl.store(out_ptr + row * D + channel, out)
