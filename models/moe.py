@@ -22,7 +22,7 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from kernels.moe import clamped_swiglu, experts_grouped, experts_reference, grouped_mm_supported
+from kernels.moe import clamped_swiglu, experts_on_device, experts_reference, grouped_mm_supported
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
@@ -81,10 +81,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The weighted sum of this rank's experts for every token (zero where it chose none of them):
-        grouped GEMMs on the GPU (no host sync, capturable), the reference loop on the CPU and in
+        Triton or grouped GEMMs on the GPU (no host sync, capturable), the reference loop on the CPU and in
         deterministic mode (whose batch-invariant GEMMs it goes through)."""
         use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
-        run = experts_grouped if use_grouped else experts_reference
+        run = experts_on_device if use_grouped else experts_reference
         return run(x, weights, experts, self.gate_up_proj, self.down_proj, self.first, self.limit, self.weight_before_down)
 
 

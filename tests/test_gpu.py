@@ -277,3 +277,11 @@ def test_rope_kernel_compiled_equals_the_reference():
         check_rope((3, 64, 512), 64, dtype, seed=0, device="cuda")  # q heads of V4-Flash
         check_rope((7, 512), 64, dtype, seed=1, device="cuda")  # kv, pooled entries
         check_rope((2, 64, 128), 64, dtype, seed=2, device="cuda")  # indexer heads
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_pairwise_experts_kernels_compiled_equal_the_reference(tokens):
+    from tests.test_triton_kernels import check_experts_pairwise
+
+    check_experts_pairwise(tokens, torch.bfloat16, seed=tokens, device="cuda", dim=4096, inter=2048)
+    check_experts_pairwise(tokens, torch.float32, seed=tokens, device="cuda")
