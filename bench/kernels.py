@@ -55,6 +55,25 @@ def bench_moe(repeats: int) -> None:
                               "bytes_per_s": nbytes / ms * 1e3}), flush=True)
 
 
+def sweep_pairwise_blocks(repeats: int) -> None:
+    """The pairwise kernels' block shapes, at 1 and 32 tokens (the defaults in kernels/moe.py come
+    from this sweep)."""
+    generator = torch.Generator("cuda").manual_seed(2)
+    experts_total, dim, inter, top_k = 256, 4096, 2048, 6
+    gate_up = (torch.randn(experts_total, 2 * inter, dim, device="cuda", generator=generator) / 64).bfloat16()
+    down = (torch.randn(experts_total, dim, inter, device="cuda", generator=generator) / 45).bfloat16()
+    for tokens in (1, 32):
+        x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
+        experts = torch.stack([torch.randperm(experts_total, device="cuda", generator=generator)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, device="cuda", generator=generator)
+        for blocks in ((8, 512), (16, 256), (16, 128), (32, 128), (32, 64), (64, 64)):
+            for which in ("gate_up", "down"):
+                chosen = {f"{which}_blocks": blocks}
+                ms = median_ms(lambda: experts_pairwise(x, weights, experts, gate_up, down, 0, 10.0, False, **chosen), repeats)
+                print(json.dumps({"bench": "kernels.moe_blocks", "tokens": tokens, "varied": which, "blocks": blocks,
+                                  "ms": ms}), flush=True)
+
+
 def bench_attention(repeats: int) -> None:
     generator = torch.Generator("cuda").manual_seed(1)
     heads, dim, n_keys = 64, 512, 128 + 512
@@ -73,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     bench_moe(args.repeats)
+    sweep_pairwise_blocks(args.repeats)
     bench_attention(args.repeats)
 
 

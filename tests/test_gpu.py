@@ -183,18 +183,24 @@ def test_grouped_experts_match_the_reference_loop(tokens):
 
 def test_decode_graph_replay_equals_eager_and_follows_the_forward():
     """Each replay is bitwise an eager run of the same decode batch on the same state (cache
-    included), and stays within bf16 noise of the chunked forward fed the same tokens."""
+    included). Against a float32 copy of the model fed the same tokens, the graph path (Triton
+    kernels, float32 inside) stays as close as the eager bf16 forward does: both drift from float32
+    only by bf16 rounding, compounding through the caches."""
+    import copy
+
     from bench.decode import pages_holding
     from worker.cuda_graphs import DecodeRow
 
     model = tiny_v4_bf16()
     graphed = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True)
     eager = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=False)
+    exact = ModelRunner(copy.deepcopy(model).float(), 4, 256, device="cuda")
     assert graphed.graphs is not None and eager.graphs is None
     positions = [5, 23, 40]
-    for runner in (graphed, eager):
+    for runner in (graphed, eager, exact):
         for slot, n in enumerate(positions):
-            model(ForwardBatch.build([(slot, random_tokens(n, seed=slot), 0)]), runner.cache)
+            runner.model(ForwardBatch.build([(slot, random_tokens(n, seed=slot), 0)]), runner.cache)
+    graph_errors, eager_errors = [], []
     for step in range(24):
         tokens = random_tokens(3, seed=50 + step)
         rows = [DecodeRow(s, tokens[s], positions[s], pages_holding(graphed, s, positions[s] + 1)) for s in range(3)]
@@ -206,10 +212,13 @@ def test_decode_graph_replay_equals_eager_and_follows_the_forward():
         again = model.decode(graphed.graphs.static_batch(*graphed.graphs.bucket(rows)), graphed.cache)[:3]
         assert torch.equal(replayed, again), f"step {step}"
         assert all(torch.equal(a, b) for a, b in zip(graphed.cache.tensors(), after)), f"step {step}"
-        reference = model(ForwardBatch.build([(s, [tokens[s]], positions[s]) for s in range(3)]), eager.cache)
-        assert relative_error(replayed, reference) < 2e-2, f"step {step}"
+        batch = ForwardBatch.build([(s, [tokens[s]], positions[s]) for s in range(3)])
+        reference = exact.model(batch, exact.cache)
+        graph_errors.append(relative_error(replayed, reference))
+        eager_errors.append(relative_error(model(batch, eager.cache), reference))
         positions = [p + 1 for p in positions]
     assert graphed.graphs.replays == 24
+    assert max(graph_errors) <= 1.5 * max(eager_errors) + 1e-3, (graph_errors, eager_errors)
 
 
 def test_graph_decode_makes_no_allocation():

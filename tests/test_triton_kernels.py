@@ -56,6 +56,7 @@ def check_decode_attention(batch: int, heads: int, n_keys: int, dim: int, dtype:
     keys = torch.randn(batch, n_keys, dim, generator=generator, device=device).to(dtype)
     valid = torch.rand(batch, n_keys, generator=generator, device=device) < 0.7
     valid[0] = False  # a sequence with nothing visible: only the sink, so zeros
+    valid[1, 64:128] = False  # a whole split of 64 keys with nothing visible
     sinks = torch.randn(heads, generator=generator, device=device)
     got = decode_attention_triton(q, keys, valid, sinks, dim**-0.5)
     want = decode_attention_reference(q.float(), keys.float(), valid, sinks, dim**-0.5)
@@ -65,8 +66,10 @@ def check_decode_attention(batch: int, heads: int, n_keys: int, dim: int, dtype:
 
 
 def test_decode_attention_kernel_equals_the_reference():
-    """Heads not a multiple of the 16-head block, keys not a multiple of the 32-key block."""
+    """Heads not a multiple of the 16-head block, keys not a multiple of the 32-key block, one split
+    of 64 keys or three (the second empty for sequence 1)."""
     check_decode_attention(batch=3, heads=20, n_keys=45, dim=32, dtype=torch.float32, seed=0)
+    check_decode_attention(batch=3, heads=20, n_keys=150, dim=32, dtype=torch.float32, seed=1)
 
 
 def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
