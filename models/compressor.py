@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kernels import stable_topk
+from kernels.indexer import indexer_scores
 from kernels.batch_invariant import batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import PoolerCache, paged_read, paged_write
@@ -165,14 +166,12 @@ class Indexer(WindowPooler):
         width fixes the shapes); returns (entry ids [B, k], chosen [B, k]): the top-k by score, and
         which of them are visible (an id past the visible entries is not chosen)."""
         n_heads, dim = self.n_heads, self.head_dim
-        keys = cache.entries[batch.block_tables].flatten(1, 2).float()  # [B, n, dim]
         q = apply_rope(self.q_b_proj(q_residual).view(-1, n_heads, dim), cos, sin).float()
         weights = self.scorer.weights_proj(x).float() * n_heads**-0.5
-        scores = torch.relu(torch.einsum("bhd,bed->bhe", q, keys)) * dim**-0.5
-        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < ((batch.positions + 1) // self.rate)[:, None]
-        total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        _, ids = stable_topk(total, min(self.topk, keys.shape[1]))
-        return ids, visible.gather(1, ids)
+        visible = (batch.positions + 1) // self.rate
+        total = indexer_scores(q, weights, cache.entries, batch.block_tables, visible)
+        _, ids = stable_topk(total, min(self.topk, total.shape[1]))
+        return ids, ids < visible[:, None]
 
 
 class CompressedSparseCompressor(WindowPooler):

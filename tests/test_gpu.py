@@ -294,3 +294,11 @@ def test_pairwise_experts_kernels_compiled_equal_the_reference(tokens):
 
     check_experts_pairwise(tokens, torch.bfloat16, seed=tokens, device="cuda", dim=4096, inter=2048)
     check_experts_pairwise(tokens, torch.float32, seed=tokens, device="cuda")
+
+
+@pytest.mark.parametrize("store_dtype", [torch.bfloat16, torch.float32])
+def test_indexer_scores_kernel_compiled_equals_the_reference(store_dtype):
+    """V4-Flash's indexer: 64 heads of 128, 32 entries a page (block 128, rate 4), an 8K table."""
+    from tests.test_triton_kernels import check_indexer_scores
+
+    check_indexer_scores(batch=4, heads=64, dim=128, per_page=32, width=65, store_dtype=store_dtype, seed=3, device="cuda")

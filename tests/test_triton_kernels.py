@@ -111,3 +111,24 @@ def check_experts_pairwise(tokens: int, dtype: torch.dtype, seed: int, device: s
 def test_pairwise_experts_kernels_equal_the_reference():
     """Row and column counts that are not multiples of the 32 x 128 blocks; limit 1.5 clamps."""
     check_experts_pairwise(tokens=3, dtype=torch.float32, seed=0)
+
+
+def check_indexer_scores(batch: int, heads: int, dim: int, per_page: int, width: int, store_dtype: torch.dtype,
+                         seed: int, device: str = DEVICE) -> None:
+    from kernels.indexer import indexer_scores_reference, indexer_scores_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    store = torch.randn(3 * width, per_page, dim, generator=generator, device=device).to(store_dtype)
+    tables = torch.stack([torch.randperm(3 * width, generator=generator, device=device)[:width] for _ in range(batch)])
+    q = torch.randn(batch, heads, dim, generator=generator, device=device)
+    weights = torch.randn(batch, heads, generator=generator, device=device)
+    visible = torch.randint(0, width * per_page + 1, (batch,), generator=generator, device=device)
+    got = indexer_scores_triton(q, weights, store, tables, visible)
+    want = indexer_scores_reference(q, weights, store, tables, visible)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_scores_kernel_equals_the_reference():
+    """Pages out of order, an entry count that is not a multiple of the 32-entry block, and every
+    sequence at its own visible length (the rest -inf)."""
+    check_indexer_scores(batch=3, heads=5, dim=16, per_page=4, width=9, store_dtype=torch.float32, seed=0)
