@@ -39,10 +39,23 @@ def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(y), exponent)
 
 
+_ON_DEVICE: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _grid(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thresholds, magnitudes) on the device, copied once: a copy per call would sync and could not
+    be captured in a CUDA graph."""
+    key = (device, dtype)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = (_THRESHOLDS.to(device), torch.tensor(_E2M1_MAGNITUDES, dtype=dtype, device=device))
+    return _ON_DEVICE[key]
+
+
 def round_e2m1(q: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of q (|q| <= 6 expected); -0 comes back as +0."""
-    codes = torch.bucketize(q.abs(), _THRESHOLDS.to(q.device), right=True)
-    magnitude = torch.tensor(_E2M1_MAGNITUDES, dtype=q.dtype, device=q.device)[codes]
+    thresholds, magnitudes = _grid(q.device, q.dtype)
+    codes = torch.bucketize(q.abs(), thresholds, right=True)
+    magnitude = magnitudes[codes]
     return torch.where(torch.signbit(q) & (magnitude > 0), -magnitude, magnitude)
 
 

@@ -17,9 +17,11 @@ from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
-from models.attention import add_attention_projections, window_keys
-from models.batch import ForwardBatch, SequenceChunk
-from models.cache import ModelCache, paged_gather, paged_read
+from kernels.attention import decode_attention
+from kernels.indexer import indexer_scores
+from models.attention import add_attention_projections, window_keys, window_keys_decode
+from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
+from models.cache import ModelCache, paged_gather, paged_gather_rows, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
 from models.layers import RotaryTable, apply_rope
@@ -75,6 +77,8 @@ class SharedCompressedAttention(nn.Module):
         selections: list[ChunkSelection],
         trace: SelectionTrace | None,
     ) -> torch.Tensor:
+        if isinstance(batch, DecodeBatch):
+            return self.decode(x, batch, cache, selections[0])
         n_tokens = x.shape[0]
         cos, sin = self.rope(batch.positions)
         q_residual = self.q_a_norm(self.q_a_proj(x))
@@ -92,6 +96,46 @@ class SharedCompressedAttention(nn.Module):
             out[rows] = self._attend(q[rows], keys, bias, picked)
         out = apply_rope(out, cos, -sin)
         return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: ModelCache, selection: ChunkSelection) -> torch.Tensor:
+        """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows,
+        then the entries the latest index source picked, through the decode attention kernel."""
+        cos, sin = self.rope(batch.positions)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = apply_rope(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        kv = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        layer = cache.layers[self.layer]
+        if self.compressor is not None:
+            self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)
+        if self.indexer is not None:
+            self._decode_select(x, q_residual, batch, cache, selection, cos, sin)
+        keys, valid = window_keys_decode(batch, kv, layer.window)
+        if self.kv_source is not None and selection.topk is not None:
+            ids = selection.topk
+            picked = paged_gather_rows(cache.layers[self.kv_source].shared.entries, batch.block_tables, ids.clamp(min=0))
+            keys, valid = torch.cat([keys, picked.to(keys.dtype)], dim=1), torch.cat([valid, ids >= 0], dim=1)
+        out = apply_rope(decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, -sin)
+        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
+
+    def _decode_select(
+        self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: ModelCache,
+        selection: ChunkSelection, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> None:
+        """`_select` for one query per sequence over every key its block table can hold. A query sees
+        the key owner's entries complete at its position, and no more than the kv source's."""
+        indexer = self.indexer
+        visible = torch.div(batch.positions + 1, self.visible_rate, rounding_mode="floor")
+        keys_made = torch.div(batch.positions + 1, self.key_rate, rounding_mode="floor")
+        q = indexer.quantize(apply_rope(indexer.q_b_proj(q_residual).view(-1, indexer.n_heads, indexer.head_dim), cos, sin))
+        head_weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5
+        store = cache.layers[self.key_source].shared.index_keys
+        scores = indexer_scores(q.float(), head_weights, store, batch.block_tables, torch.minimum(visible, keys_made))
+        if self.is_candidate_source:
+            selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
+        elif self.constrained and selection.candidate_blocks is not None:
+            allowed = expand_blocks(selection.candidate_blocks, scores.shape[1], self.block_size)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        selection.topk = indexer.top(scores)
 
     def _picked_entries(
         self, chunk: SequenceChunk, cache: ModelCache, selection: ChunkSelection

@@ -81,6 +81,21 @@ def paged_gather_rows(store: torch.Tensor, tables: torch.Tensor, ids: torch.Tens
     return store[tables.gather(1, ids // per_page), ids % per_page]
 
 
+def paged_write_rows(
+    store: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, where: torch.Tensor | None = None
+) -> None:
+    """Per sequence b, entry ids[b] := values[b] through block table tables[b] (tables [B, P], ids [B],
+    values [B, dim]); with `where` [B] bool, only where it holds (elsewhere the entry keeps its value).
+    Shapes depend only on B, so a decode graph can write this way every step."""
+    per_page = store.shape[1]
+    page = tables.gather(1, (ids // per_page)[:, None]).squeeze(1)
+    index = ids % per_page
+    values = values.to(store.dtype)
+    if where is not None:
+        values = torch.where(where[:, None], values, store[page, index])
+    store[page, index] = values
+
+
 def page_granularity(config: ModelConfig) -> int:
     """block_tokens must be a multiple of this: every paged layer's rate divides a page evenly."""
     return math.lcm(1, *(r for r in config.compress_rates if r > 0))

@@ -19,7 +19,7 @@ from kernels import stable_topk
 from kernels.indexer import indexer_scores
 from kernels.batch_invariant import batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
-from models.cache import PoolerCache, paged_read, paged_write
+from models.cache import PoolerCache, paged_read, paged_write, paged_write_rows
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -101,12 +101,8 @@ class WindowPooler(nn.Module):
             cache.raw_kv[ring_rows, prev_rows], cache.raw_gate[ring_rows, prev_rows], window == 0,
         )
         cos, sin = rope(start)
-        entry = apply_rope(entry, cos, sin).to(cache.entries.dtype)
-        per_page = cache.entries.shape[1]
-        page = batch.block_tables.gather(1, (window // per_page)[:, None]).squeeze(1)
-        index = window % per_page
-        closes = ((positions + 1) % rate == 0)[:, None]
-        cache.entries[page, index] = torch.where(closes, entry, cache.entries[page, index])
+        closes = (positions + 1) % rate == 0
+        paged_write_rows(cache.entries, batch.block_tables, window, apply_rope(entry, cos, sin), where=closes)
 
 
 class IndexerScorer(nn.Module):

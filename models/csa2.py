@@ -19,8 +19,8 @@ from torch import nn
 
 from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from models.batch import SequenceChunk
-from models.cache import SharedStore, paged_write
+from models.batch import DecodeBatch, SequenceChunk
+from models.cache import SharedStore, paged_write, paged_write_rows
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -63,6 +63,29 @@ class SharedCompressor(nn.Module):
         paged_write(store.entries, chunk.pages, first, self.quantize(apply_rope(latents, cos, sin)))
         if indexer is not None:
             paged_write(store.index_keys, chunk.pages, first, indexer.keys(latents, cos, sin))
+
+    def decode_update(
+        self, x: torch.Tensor, batch: DecodeBatch, store: SharedStore, rope: RotaryTable, indexer: "SharedIndexer | None"
+    ) -> None:
+        """One token per sequence, shapes fixed by the batch: the token joins its slot's open group, the
+        group's latent is computed every step and its entry (and index key) written only where the
+        token completes the group (r = 1: every token)."""
+        rate, positions = self.rate, batch.positions
+        group = positions // rate
+        closes = None
+        if rate == 1:
+            latents = self.kv_norm(self.kv_proj(x))
+        else:
+            slots = batch.slots
+            store.raw_kv[slots, positions % rate] = F.linear(x.float(), self.kv_proj.weight.float())
+            store.raw_gate[slots, positions % rate] = F.linear(x.float(), self.gate_proj.weight.float())
+            weights = store.raw_gate[slots].transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
+            latents = self.kv_norm((store.raw_kv[slots] * weights).sum(dim=1).to(x.dtype))
+            closes = (positions + 1) % rate == 0
+        cos, sin = rope(group * rate)
+        paged_write_rows(store.entries, batch.block_tables, group, self.quantize(apply_rope(latents, cos, sin)), closes)
+        if indexer is not None:
+            paged_write_rows(store.index_keys, batch.block_tables, group, indexer.keys(latents, cos, sin), closes)
 
     def _latents(
         self, chunk: SequenceChunk, x: torch.Tensor, store: SharedStore, first: int, end: int

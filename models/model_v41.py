@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.attention_v41 import SelectionTrace, SharedCompressedAttention
-from models.batch import ForwardBatch
+from models.batch import DecodeBatch, ForwardBatch
 from models.cache import ModelCache
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection
@@ -107,6 +107,31 @@ class DeepseekV41(nn.Module):
         last = batch.logits_rows
         hidden = self.model.norm(collapse(pre[last], streams[last]))
         return logits_into(self.lm_head(hidden), out)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch, cache: ModelCache, engram_rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab], reading no
+        value on the host (worker/cuda_graphs.py captures it). `engram_rows`: per Engram layer, the
+        rows [B, columns, head_dim] of the step's tokens (`engram_rows`), fetched before the step."""
+        hc = self.config.hc_mult
+        streams = self.model.embed_tokens(batch.token_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
+        pre = torch.zeros(streams.shape[0], hc, dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0
+        selection = ChunkSelection()  # the index sources' picks, for the whole batch
+        engram_index = {layer: i for i, layer in enumerate(self.config.engram.layer_ids)} if self.config.engram else {}
+        for index, layer in enumerate(self.model.layers):
+            rows = engram_rows[engram_index[index]] if index in engram_index else None
+            streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
+        return self.lm_head(self.model.norm(collapse(pre, streams))).float()
+
+    def engram_rows(self, slots: list[int], token_ids: list[int], positions: list[int], cache: ModelCache) -> list[torch.Tensor]:
+        """The Engram rows of one decode step (one token per slot), per Engram layer, on the model's
+        device; advances each slot's look-back in the cache (call once per step)."""
+        if self.config.engram is None:
+            return []
+        batch = ForwardBatch.build([(slot, [token], position, [0]) for slot, token, position in zip(slots, token_ids, positions)])
+        ids = self._engram_row_ids(batch, cache, None)
+        return [self.engram_memory.rows(i, ids) for i in range(len(self.config.engram.layer_ids))]
 
     def _engram_row_ids(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> torch.Tensor | None:
         if self.config.engram is None:

@@ -71,3 +71,44 @@ def test_grouped_experts_equal_the_reference_loop():
     for before_down in (False, True):
         args = (x, weights, experts, gate_up, down, 2, 7.0, before_down)
         torch.testing.assert_close(experts_grouped(*args), experts_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def decode_against_forward(model, steps: int, rtol: float) -> list[float]:
+    """Both paths over the same prompts and fed tokens, each on its own cache; returns per-step max
+    relative error, asserting every step within `rtol` (None: only collect)."""
+    starts = [0, 5, 23, 40]
+    pages = {slot: [17 - 4 * slot - i for i in range(4)] for slot in range(4)}
+    caches = [ModelCache.allocate(model.config, 4, 64, num_pages=18, block_tokens=BLOCK) for _ in range(2)]
+    prompts = [random_tokens(n, seed=slot) for slot, n in enumerate(starts)]
+    for cache in caches:
+        model(ForwardBatch.build([(slot, prompt, 0, pages[slot]) for slot, prompt in enumerate(prompts) if prompt]), cache)
+    eager, graphable = caches
+    positions, errors = list(starts), []
+    for step in range(steps):
+        tokens = random_tokens(4, seed=100 + step)
+        expected = model(ForwardBatch.build([(s, [tokens[s]], positions[s], pages[s]) for s in range(4)]), eager)
+        rows = model.engram_rows(list(range(4)), tokens, positions, graphable)
+        actual = model.decode(DecodeBatch.build([(s, tokens[s], positions[s], pages[s]) for s in range(4)], width=WIDTH), graphable, rows)
+        errors.append(((actual - expected).abs().max() / expected.abs().max()).item())
+        if rtol is not None:
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol, msg=f"step {step}")
+        positions = [p + 1 for p in positions]
+    return errors
+
+
+def test_v41_decode_equals_forward_over_many_steps(checkpoints):
+    """V4.1 with Engram, shared kv / index sources and candidate blocks, quantization simulation off:
+    the same numbers up to float-sum order at every step, past the window and many groups."""
+    from models import load_model
+
+    decode_against_forward(load_model(checkpoints["v41"], simulate_quantization=False), steps=24, rtol=1e-4)
+
+
+def test_v41_decode_with_simulated_quantization_tracks_the_forward(checkpoints):
+    """With V4.1's fp8 / fp4 rounding on, a float-order difference can move a value across a rounding
+    boundary (golden README): nearly every step still agrees to 1e-4, and none drifts far."""
+    from models import load_model
+
+    errors = decode_against_forward(load_model(checkpoints["v41"]), steps=24, rtol=None)
+    assert sum(e < 1e-4 for e in errors) >= 20, errors
+    assert max(errors) < 0.05, errors
