@@ -2,6 +2,7 @@
 warm row cache), on a V4.1 model whose Engram tables are several GB (JSON lines on stdout).
 
     python -m bench.engram [--dir /var/tmp/ds4-engram-bench] [--table-gb 4] [--runs 5] [--steps 24]
+                           [--cuda-graphs] [--engram-layers 1 4]
 
 The checkpoint is the tiny V4.1 with 256-wide Engram rows and prime table sizes chosen so the two
 tables take about --table-gb on disk (written once, streamed, then converted to table files). Prompts
@@ -11,6 +12,9 @@ that rotates each run (disk_warm always right after disk_cold, whose reads warm 
 starts after a garbage collection, and each figure is the median of --runs runs. `--profile MODE ...`
 prints those modes' cProfile (top functions by own time) to stderr after the last run. Keys: mode (gpu | host | disk_cold | disk_warm), concurrency,
 tok_s, prefetch_wait_p50_ms, prefetch_wait_p99_ms, hit_rate, iops, plus machine and commit.
+`--cuda-graphs` runs the model in bf16 with decode steps replaying CUDA graphs and adds
+`graph_engram_wait_ms` (per step: the time a step waits for its rows before its replay);
+`--engram-layers` picks the Engram layers (0 puts one first, where no layer runs before the wait).
 """
 
 from __future__ import annotations
@@ -71,14 +75,15 @@ def write_big_safetensors(path: Path, tables: list[tuple[int, int]], seed: int) 
                 out.write(np.exp2(exponents).astype(np.float32).tobytes())
 
 
-def make_checkpoint(directory: Path, table_gb: float) -> Path:
+def make_checkpoint(directory: Path, table_gb: float, engram_layers: list[int]) -> Path:
     if (directory / "config.json").exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory / "tokenizer.json")
     columns = 2 * 2  # 2-grams and 3-grams, 2 heads
     rows_per_layer = int(table_gb * 2**30 / 2 / (ROW_DIM + 8) * 15 / 15.2)
-    raw = tiny_v41_config_dict(engram_head_dim=ROW_DIM, engram_vocab_size=rows_per_layer // columns)
+    raw = tiny_v41_config_dict(engram_head_dim=ROW_DIM, engram_vocab_size=rows_per_layer // columns,
+                               engram_layer_ids=engram_layers)
     config = ModelConfig.from_dict(raw)
     hasher = engram_hasher(config.engram, Tokenizer.from_file(str(directory / "tokenizer.json")))
     raw["engram_compressed_vocab_size"] = int(hasher.lookup.max()) + 1
@@ -116,6 +121,7 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
               store.reader.reads if getattr(store, "reader", None) else 0)
     if stats is not None:
         stats.recent_waits_s.clear()
+    graph_wait = runner.graphs.engram_wait_s if runner.graphs is not None else 0.0
     result = runner.execute(StepPlan(tuple(chunk(runner, s, p, 0) for s, p in enumerate(prompts))))
     last = [c.sampled.token_id for c in result.chunks]
     start = time.perf_counter()
@@ -126,6 +132,7 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
     if runner.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    graph_wait = (runner.graphs.engram_wait_s - graph_wait) if runner.graphs is not None else None
     waits = sorted(stats.recent_waits_s) if stats is not None and stats.recent_waits_s else [0.0]
     hits = sum(l.host_cache.hits for l in disk) - before[0]
     misses = sum(l.host_cache.misses for l in disk) - before[1]
@@ -136,6 +143,7 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
         "prefetch_wait_p99_ms": 1000 * waits[min(len(waits) - 1, int(len(waits) * 0.99))],
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "iops": reads / elapsed,
+        "graph_engram_wait_ms": None if graph_wait is None else 1000 * graph_wait / steps,
     }
 
 
@@ -157,21 +165,25 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cuda-graphs", action="store_true", help="bf16, decode steps on CUDA graphs")
+    parser.add_argument("--engram-layers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--profile", nargs="+", default=[], choices=["gpu", "host", "disk_cold", "disk_warm"])
     args = parser.parse_args()
-    model_dir = make_checkpoint(args.dir / "model", args.table_gb)
-    table_bytes = sum(p.stat().st_size for p in (args.dir / "model").glob("engram.safetensors"))
+    layers = "-".join(map(str, args.engram_layers))
+    model_dir = make_checkpoint(args.dir / f"model-engram-{layers}", args.table_gb, args.engram_layers)
+    table_bytes = sum(p.stat().st_size for p in model_dir.glob("engram.safetensors"))
     host_cache = int(0.1 * table_bytes)
     modes = {
         "gpu": EngramOptions(residency="gpu"),
         "host": EngramOptions(residency="host"),
-        "disk": EngramOptions(residency="disk", path=args.dir / "tables", host_cache_bytes=host_cache, queue_depth=64),
+        "disk": EngramOptions(residency="disk", path=args.dir / f"tables-{layers}", host_cache_bytes=host_cache, queue_depth=64),
     }
     max_len = args.prompt_len + args.steps + 2
     runners = {}
     for name, options in modes.items():
-        model = load_model(model_dir, device=args.device, engram=options)
-        runners[name] = ModelRunner(model, max(args.concurrency), max_len, device=args.device)
+        dtype = torch.bfloat16 if args.cuda_graphs else torch.float32
+        model = load_model(model_dir, device=args.device, engram=options, dtype=dtype)
+        runners[name] = ModelRunner(model, max(args.concurrency), max_len, device=args.device, cuda_graphs=args.cuda_graphs)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     vocab = runners["gpu"].model.config.vocab_size

@@ -15,6 +15,11 @@ decode path capturable is `DeepseekV4.decode`: shapes fixed by the batch, no hos
   each step fills a pinned host copy of the rows it uses and copies it in one transfer. Graphs share
   one memory pool, captured largest first; their outputs (float32 logits) stay valid until the next
   replay of the same graph.
+- V4.1's Engram rows depend only on the step's tokens, so they are fetched before the replay (host
+  cache, disk reads the prefetch hints started a step earlier) into static per-layer buffers the
+  graph reads; the time the step waits for them is counted (`engram_wait_s`, measured by
+  bench/slice.py). One graph per step, not split at the Engram layers: the rows are known before
+  the first layer runs, so a split would only move the wait.
 After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
 and reserved bytes across a served decode run).
 """
@@ -22,6 +27,7 @@ and reserved bytes across a served decode run).
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -72,6 +78,24 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool_bytes = 0
         self.replays = 0
+        self.engram_wait_s = 0.0  # time steps spent fetching Engram rows before their replay
+        self.engram_rows = self._engram_buffers(model, max_batch, device)
+
+    @staticmethod
+    def _engram_buffers(model, max_batch: int, device) -> list[torch.Tensor]:
+        """Static [max batch, columns, head_dim] float32 rows per Engram layer (none for V4); graphs run
+        on one rank, which holds every column."""
+        spec = model.config.engram
+        if spec is None:
+            return []
+        return [torch.zeros(max_batch, spec.n_columns, spec.head_dim, device=device) for _ in spec.layer_ids]
+
+    def decode_eagerly(self, size: int, width: int) -> torch.Tensor:
+        """What the (size, width) graph runs, run eagerly on the static inputs (warm-up, capture, tests)."""
+        batch = self.static_batch(size, width)
+        if self.engram_rows:
+            return self.model.decode(batch, self.cache, [rows[:size] for rows in self.engram_rows])
+        return self.model.decode(batch, self.cache)
 
     def static_batch(self, size: int, width: int) -> DecodeBatch:
         """The bucket's batch: views of the static input buffer the graph reads."""
@@ -95,14 +119,14 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for size, width in keys:
-                self.model.decode(self.static_batch(size, width), self.cache)
+                self.decode_eagerly(size, width)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         for size, width in sorted(keys, reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size, width] = self.model.decode(self.static_batch(size, width), self.cache)
+                self.outputs[size, width] = self.decode_eagerly(size, width)
             self.graphs[size, width] = graph
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
@@ -129,6 +153,13 @@ class DecodeGraphs:
         self._fill_padding(n, size)
         # one transfer; the pinned rows are not written again before this step's logits are read
         self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        if self.engram_rows:
+            began = time.perf_counter()
+            fetched = self.model.engram_rows([r.slot for r in rows], [r.token_id for r in rows],
+                                             [r.position for r in rows], self.cache)
+            for buffer, layer_rows in zip(self.engram_rows, fetched):
+                buffer[:n].copy_(layer_rows)
+            self.engram_wait_s += time.perf_counter() - began
         self.graphs[size, width].replay()
         self.replays += 1
         return self.outputs[size, width][:n]

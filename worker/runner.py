@@ -43,7 +43,7 @@ class ModelRunner:
         `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots.
         `tp`: the model's tensor-parallel group (Engram read failures are combined over it).
         `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) where the model has a
-        decode path (V4), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
+        decode path (V4, V4.1), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
         then has one more slot and page (scratch)."""
         self.model = model
@@ -82,8 +82,11 @@ class ModelRunner:
         if computed:
             if self._replays_graph(computed):
                 logits = self.graphs.run([DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed])
+                failed = self._engram_failures(len(computed))
                 for index, (chunk, rows) in enumerate(zip(computed, logit_rows)):
                     chunk_logits[chunk.request_id] = logits[index : index + len(rows)]
+                    if index in failed:
+                        failed_chunks[chunk.request_id] = failed[index]
             else:
                 self._forward(computed, logit_rows, chunk_logits, failed_chunks)
             self._keep_last_logits(computed, chunk_logits)
