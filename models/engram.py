@@ -137,13 +137,16 @@ class EngramMemory:
     def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
         """[T, engram layers, columns] int64 whole-table row ids of the step's tokens; advances `context`
         [slots, N-1]."""
-        per_chunk = []
+        per_chunk, advanced = [], []
         tokens = batch.token_ids.tolist()
-        for chunk in batch.chunks:
-            carried = self.hasher.empty_context() if chunk.position == 0 else context[chunk.slot].tolist()
+        slots = torch.tensor([chunk.slot for chunk in batch.chunks], device=context.device)
+        held = context[slots].tolist()  # one read of every slot's look-back, not one per sequence
+        for chunk, carried in zip(batch.chunks, held):
+            carried = self.hasher.empty_context() if chunk.position == 0 else carried
             ids, carried = self.hasher.row_ids(tokens[chunk.rows], None, carried)
-            context[chunk.slot] = torch.tensor(carried, dtype=context.dtype, device=context.device)
+            advanced.append(carried)
             per_chunk.append(torch.from_numpy(ids))
+        context[slots] = torch.tensor(advanced, dtype=context.dtype).to(context.device)
         row_ids = torch.cat(per_chunk)
         self.source.prefetch(self._for_source(row_ids))  # disk tiers read while the layers before Engram run
         return row_ids
