@@ -24,9 +24,9 @@ BLOCK_ENTRIES = 32
 def indexer_scores_reference(
     q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
-    """q [B, H, D] float32 (roped), weights [B, H] float32, store [pages, per_page, D], tables [B, P],
-    visible [B] -> float32 scores [B, P * per_page]."""
-    keys = store[tables].flatten(1, 2).float()
+    """q [B, H, D] float32 (roped), weights [B, H] float32, store [pages, per_page, D] (a tensor, or a
+    packed store whose `.pages(tables)` unpacks), tables [B, P], visible [B] -> float32 scores [B, P * per_page]."""
+    keys = (store.pages(tables) if hasattr(store, "pages") else store[tables]).flatten(1, 2).float()
     scores = torch.relu(torch.einsum("bhd,bed->bhe", q, keys)) * q.shape[-1] ** -0.5
     seen = torch.arange(keys.shape[1], device=q.device)[None, :] < visible[:, None]
     return (scores * weights[..., None]).sum(dim=1).masked_fill(~seen, float("-inf"))
@@ -36,7 +36,8 @@ def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
     dim = q.shape[-1]
-    if triton is None or not q.is_cuda or dim & (dim - 1):
+    packed = not isinstance(store, torch.Tensor)  # PackedPages: unpacked by the reference gather
+    if triton is None or not q.is_cuda or dim & (dim - 1) or packed:
         return indexer_scores_reference(q, weights, store, tables, visible)
     return indexer_scores_triton(q, weights, store, tables, visible)
 

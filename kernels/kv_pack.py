@@ -45,9 +45,20 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+_ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _grids(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the 8 magnitudes, the 16 code values) on the device, copied once: a copy per call would sync
+    and could not be captured in a CUDA graph."""
+    if device not in _ON_DEVICE:
+        _ON_DEVICE[device] = (_MAGNITUDES.to(device), E2M1_VALUES.to(device))
+    return _ON_DEVICE[device]
+
+
 def _codes(q: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """E2M1 values (exactly on the grid) -> packed code bytes [..., dim / 2]."""
-    index = (q.abs().unsqueeze(-1) == _MAGNITUDES.to(q.device)).int().argmax(dim=-1)
+    index = (q.abs().unsqueeze(-1) == _grids(q.device)[0]).int().argmax(dim=-1)
     codes = (index + 8 * (q < 0).int()).reshape(shape).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
@@ -69,7 +80,7 @@ def pack_fp4_ue8m0(x: torch.Tensor, block: int = 32) -> PackedFP4:
 def unpack_fp4(packed: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values [..., dim] in `dtype` (exact in float32 and bfloat16: at most 5 significant bits)."""
     low, high = (packed.codes & 0x0F).long(), (packed.codes >> 4).long()
-    values = E2M1_VALUES.to(packed.codes.device)[torch.stack((low, high), dim=-1).flatten(-2)]
+    values = _grids(packed.codes.device)[1][torch.stack((low, high), dim=-1).flatten(-2)]
     if packed.scale_format == "e4m3":
         scales = packed.scales.view(torch.float8_e4m3fn).float()
     else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import CSA, ModelConfig
+from models.packed_pages import PackedPages
 
 
 @dataclass
@@ -40,11 +41,21 @@ class SharedStore:
 
     raw_kv: torch.Tensor  # [slots, r, head_dim] float32, token p at row p % r (empty ring for r = 1)
     raw_gate: torch.Tensor  # [slots, r, head_dim] float32
-    entries: torch.Tensor  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
-    index_keys: torch.Tensor | None  # [pages, block_tokens // r, index_head_dim] if the source owns keys
+    entries: torch.Tensor | PackedPages  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
+    index_keys: torch.Tensor | PackedPages | None  # [pages, block_tokens // r, index_head_dim] if the source owns keys
+
+    def paged(self) -> list[torch.Tensor]:
+        """The page-first tensors (a packed store's code and scale bytes)."""
+        out: list[torch.Tensor] = []
+        for store in (self.entries, self.index_keys):
+            if isinstance(store, PackedPages):
+                out += store.tensors()
+            elif store is not None:
+                out.append(store)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.raw_kv, self.raw_gate, self.entries, self.index_keys) if t is not None]
+        return [self.raw_kv, self.raw_gate, *self.paged()]
 
 
 @dataclass
@@ -55,45 +66,66 @@ class LayerCache:
     shared: SharedStore | None = None  # V4.1 kv sources only
 
 
-def paged_read(store: torch.Tensor, pages: torch.Tensor, count: int) -> torch.Tensor:
+# A paged store is a [pages, per_page, dim] tensor or PackedPages (packed FP4, same calls): the
+# helpers below address entries of a sequence through its block table either way.
+PagedStore = torch.Tensor | PackedPages
+
+
+def paged_pages(store: PagedStore, tables: torch.Tensor) -> torch.Tensor:
+    """Whole pages: tables [...] -> [..., per_page, dim]."""
+    return store.pages(tables) if isinstance(store, PackedPages) else store[tables]
+
+
+def _at(store: PagedStore, page: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return store.at(page, index) if isinstance(store, PackedPages) else store[page, index]
+
+
+def _put(store: PagedStore, page: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+         where: torch.Tensor | None = None) -> None:
+    if isinstance(store, PackedPages):
+        store.put(page, index, values, where)
+        return
+    values = values.to(store.dtype)
+    if where is not None:
+        values = torch.where(where[:, None], values, store[page, index])
+    store[page, index] = values
+
+
+def paged_read(store: PagedStore, pages: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` entries of a sequence, [count, dim], from its block table."""
     per_page = store.shape[1]
-    return store[pages[: -(-count // per_page)]].flatten(0, 1)[:count]
+    return paged_pages(store, pages[: -(-count // per_page)]).flatten(0, 1)[:count]
 
 
-def paged_write(store: torch.Tensor, pages: torch.Tensor, first: int, values: torch.Tensor) -> None:
+def paged_write(store: PagedStore, pages: torch.Tensor, first: int, values: torch.Tensor) -> None:
     """Writes entries first .. first + len(values) - 1 of a sequence."""
     index = torch.arange(first, first + values.shape[0], device=pages.device)
     per_page = store.shape[1]
-    store[pages[index // per_page], index % per_page] = values.to(store.dtype)
+    _put(store, pages[index // per_page], index % per_page, values)
 
 
-def paged_gather(store: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def paged_gather(store: PagedStore, pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Entries at sequence-relative ids (any shape, all >= 0) -> [*ids.shape, dim]."""
     per_page = store.shape[1]
-    return store[pages[ids // per_page], ids % per_page]
+    return _at(store, pages[ids // per_page], ids % per_page)
 
 
-def paged_gather_rows(store: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def paged_gather_rows(store: PagedStore, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per sequence b, the entries at sequence-relative ids[b] through block table tables[b]:
     tables [B, P], ids [B, k] -> [B, k, dim]."""
     per_page = store.shape[1]
-    return store[tables.gather(1, ids // per_page), ids % per_page]
+    return _at(store, tables.gather(1, ids // per_page), ids % per_page)
 
 
 def paged_write_rows(
-    store: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, where: torch.Tensor | None = None
+    store: PagedStore, tables: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, where: torch.Tensor | None = None
 ) -> None:
     """Per sequence b, entry ids[b] := values[b] through block table tables[b] (tables [B, P], ids [B],
     values [B, dim]); with `where` [B] bool, only where it holds (elsewhere the entry keeps its value).
     Shapes depend only on B, so a decode graph can write this way every step."""
     per_page = store.shape[1]
     page = tables.gather(1, (ids // per_page)[:, None]).squeeze(1)
-    index = ids % per_page
-    values = values.to(store.dtype)
-    if where is not None:
-        values = torch.where(where[:, None], values, store[page, index])
-    store[page, index] = values
+    _put(store, page, ids % per_page, values, where)
 
 
 def page_granularity(config: ModelConfig) -> int:
@@ -123,9 +155,18 @@ class ModelCache:
         device: torch.device | str = "cpu",
         num_pages: int | None = None,
         block_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> "ModelCache":
         """Without `num_pages`, every slot gets its own pages for `max_len` tokens (tests, tools);
-        the engine passes the page count its memory plan affords and block tables per chunk."""
+        the engine passes the page count its memory plan affords and block tables per chunk.
+        `kv_cache_dtype` "fp4": V4.1's compressed entries and index keys as packed FP4 pages
+        (models/packed_pages.py), lossless because the model rounds them to FP4 itself; refused where
+        it would not be (V4, or V4.1 without its simulated quantization)."""
+        if kv_cache_dtype == "fp4":
+            if not config.is_v41:
+                raise ValueError("kv_cache_dtype fp4 packs V4.1's FP4-rounded entries; this is a V4 model (use auto)")
+            if not config.simulate_quantization:
+                raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
         unit = page_granularity(config)
         block_tokens = block_tokens or unit
         if block_tokens % unit:
@@ -134,8 +175,10 @@ class ModelCache:
         if num_pages is None:
             slot_pages = -(-max_len // block_tokens)
             num_pages = num_slots * slot_pages
-        build = cls._v41_layers if config.is_v41 else cls._v4_layers
-        layers = build(config, num_slots, num_pages, block_tokens, dtype, device)
+        if config.is_v41:
+            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
+        else:
+            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device)
         context = None
         if config.engram is not None:
             context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
@@ -162,9 +205,15 @@ class ModelCache:
         return layers
 
     @staticmethod
-    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device) -> list[LayerCache]:
+    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool) -> list[LayerCache]:
         """Every layer keeps a window; only kv sources keep compressed state, which later layers read."""
         shared = config.shared_compression
+
+        def paged(per_page: int, dim: int, scale_format: str) -> torch.Tensor | PackedPages:
+            if packed:
+                return PackedPages.allocate(num_pages, per_page, dim, scale_format, dtype, device)
+            return torch.zeros(num_pages, per_page, dim, dtype=dtype, device=device)
+
         layers = []
         for layer in range(config.num_layers):
             window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
@@ -175,10 +224,8 @@ class ModelCache:
                 store = SharedStore(
                     raw_kv=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
                     raw_gate=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
-                    entries=torch.zeros(num_pages, per_page, config.head_dim, dtype=dtype, device=device),
-                    index_keys=torch.zeros(num_pages, per_page, config.index_head_dim, dtype=dtype, device=device)
-                    if layer in shared.index_sources
-                    else None,
+                    entries=paged(per_page, config.head_dim, "e4m3"),
+                    index_keys=paged(per_page, config.index_head_dim, "ue8m0") if layer in shared.index_sources else None,
                 )
             layers.append(LayerCache(window=window, compressor=None, indexer=None, shared=store))
         return layers
@@ -234,7 +281,7 @@ class ModelCache:
         for layer in self.layers:
             out += [pooler.entries for pooler in (layer.compressor, layer.indexer) if pooler is not None]
             if layer.shared is not None:
-                out += [t for t in (layer.shared.entries, layer.shared.index_keys) if t is not None]
+                out += layer.shared.paged()
         return out
 
     def page_bytes(self) -> int:

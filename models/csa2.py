@@ -21,6 +21,7 @@ from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
 from kernels.batch_invariant import batch_invariant_active
 from models.batch import DecodeBatch, SequenceChunk
 from models.cache import SharedStore, paged_write, paged_write_rows
+from models.packed_pages import PackedPages
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -60,9 +61,9 @@ class SharedCompressor(nn.Module):
             return
         positions = torch.arange(first, end, device=x.device) * self.rate
         cos, sin = rope(positions)
-        paged_write(store.entries, chunk.pages, first, self.quantize(apply_rope(latents, cos, sin)))
+        paged_write(store.entries, chunk.pages, first, self._rounded(store.entries, apply_rope(latents, cos, sin)))
         if indexer is not None:
-            paged_write(store.index_keys, chunk.pages, first, indexer.keys(latents, cos, sin))
+            paged_write(store.index_keys, chunk.pages, first, indexer.keys(latents, cos, sin, store.index_keys))
 
     def decode_update(
         self, x: torch.Tensor, batch: DecodeBatch, store: SharedStore, rope: RotaryTable, indexer: "SharedIndexer | None"
@@ -83,9 +84,16 @@ class SharedCompressor(nn.Module):
             latents = self.kv_norm((store.raw_kv[slots] * weights).sum(dim=1).to(x.dtype))
             closes = (positions + 1) % rate == 0
         cos, sin = rope(group * rate)
-        paged_write_rows(store.entries, batch.block_tables, group, self.quantize(apply_rope(latents, cos, sin)), closes)
+        entries = self._rounded(store.entries, apply_rope(latents, cos, sin))
+        paged_write_rows(store.entries, batch.block_tables, group, entries, closes)
         if indexer is not None:
-            paged_write_rows(store.index_keys, batch.block_tables, group, indexer.keys(latents, cos, sin), closes)
+            keys = indexer.keys(latents, cos, sin, store.index_keys)
+            paged_write_rows(store.index_keys, batch.block_tables, group, keys, closes)
+
+    def _rounded(self, store, entries: torch.Tensor) -> torch.Tensor:
+        """What to hand the store: a packed store rounds as it packs (from the unrounded values, which
+        packing an already-rounded entry would not always reproduce); a plain one stores the rounding."""
+        return entries if isinstance(store, PackedPages) else self.quantize(entries)
 
     def _latents(
         self, chunk: SequenceChunk, x: torch.Tensor, store: SharedStore, first: int, end: int
@@ -128,9 +136,11 @@ class SharedIndexer(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         self.quantize = fake_quant_fp4_ue8m0 if simulate_quantization else _identity
 
-    def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Index keys of new entries from their pre-RoPE latents."""
-        return self.quantize(apply_rope(self.k_norm(self.k_proj(latents)), cos, sin))
+    def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store=None) -> torch.Tensor:
+        """Index keys of new entries from their pre-RoPE latents (unrounded for a packed `store`, which
+        rounds as it packs)."""
+        keys = apply_rope(self.k_norm(self.k_proj(latents)), cos, sin)
+        return keys if isinstance(store, PackedPages) else self.quantize(keys)
 
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, visible_len: torch.Tensor,

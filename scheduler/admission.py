@@ -39,7 +39,8 @@ class MemoryPlan:
             f"memory plan ({self.device}): budget {self.budget_bytes / GiB:.2f} GiB = weights {self.weights_bytes / GiB:.3f}"
             f" + workspace {self.workspace_bytes / GiB:.3f} + slot state {self.slot_state_bytes / GiB:.3f}"
             f" + KV {self.num_pages} pages x {self.page_bytes} B ({self.kv_bytes / GiB:.3f} GiB, {self.block_tokens} tokens"
-            f" per page{', pinned by memory.num_kv_pages' if self.pinned else ''})"
+            f" per page, {self.page_bytes / self.block_tokens:.0f} B per token"
+            f"{', pinned by memory.num_kv_pages' if self.pinned else ''})"
         )
 
 

@@ -74,6 +74,9 @@ class MemorySection(Section):
     # memory of one GPU of the rig (GiB): `python -m server plan` needs it, as it runs without the GPU;
     # serving measures the device it runs on instead
     gpu_memory_gb: float | None = Field(default=None, gt=0)
+    # fp4: V4.1's compressed KV entries and index keys as packed FP4 pages (lossless: the model rounds
+    # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. V4 takes auto only.
+    kv_cache_dtype: Literal["auto", "fp4"] = "auto"
 
 
 class ParallelSection(Section):
@@ -159,6 +162,7 @@ FLAG_KEYS = {
     "block_size": "scheduler.block_tokens",
     "enable_prefix_caching": "scheduler.enable_prefix_caching",
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
+    "kv_cache_dtype": "memory.kv_cache_dtype",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "deterministic": "runtime.deterministic",
     "enforce_eager": "runtime.enforce_eager",

@@ -164,8 +164,12 @@ def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dty
     if sched.block_tokens % unit:
         raise ConfigFileError(f"scheduler.block_tokens {sched.block_tokens} must be a multiple of {unit} for this"
                               " model (its compress rates)")
-    cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
-                                device="meta", num_pages=1, block_tokens=sched.block_tokens)
+    try:
+        cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
+                                    device="meta", num_pages=1, block_tokens=sched.block_tokens,
+                                    kv_cache_dtype=config.memory.kv_cache_dtype)
+    except ValueError as error:
+        raise ConfigFileError(f"memory.kv_cache_dtype: {error}") from error
     return cache.page_bytes(), cache.slot_bytes()
 
 

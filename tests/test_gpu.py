@@ -317,3 +317,25 @@ def test_indexer_scores_kernel_compiled_equals_the_reference(store_dtype):
     from tests.test_triton_kernels import check_indexer_scores
 
     check_indexer_scores(batch=4, heads=64, dim=128, per_page=32, width=65, store_dtype=store_dtype, seed=3, device="cuda")
+
+
+def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
+    """V4.1 in bf16 with its simulated quantization, decode steps replaying graphs: packed FP4 pages
+    give bitwise the logits of the plain cache (prompts prefilled eagerly on both)."""
+    from bench.decode import pages_holding
+    from worker.cuda_graphs import DecodeRow
+
+    model = load_model(checkpoints["v41"], dtype=torch.bfloat16, device="cuda")
+    runners = [ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True, kv_cache_dtype=kind) for kind in ("auto", "fp4")]
+    positions = [7, 30, 61]
+    for runner in runners:
+        for slot, n in enumerate(positions):
+            runner.model(ForwardBatch.build([(slot, random_tokens(n, seed=slot), 0)]), runner.cache)
+    for step in range(20):
+        tokens = random_tokens(3, seed=80 + step)
+        logits = []
+        for runner in runners:
+            rows = [DecodeRow(s, tokens[s], positions[s], pages_holding(runner, s, positions[s] + 1)) for s in range(3)]
+            logits.append(runner.graphs.run(rows).clone())
+        assert torch.equal(*logits), f"step {step}"
+        positions = [p + 1 for p in positions]

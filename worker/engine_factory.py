@@ -77,6 +77,7 @@ def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput]
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
     check_block_tokens(config, model_config)
+    check_kv_cache_dtype(config, model_config)
     pool = WorkerPool(config, partial(build_runner, config))
     sched = config.scheduler
     limits = SchedulerLimits(
@@ -102,6 +103,14 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
         raise EngineConfigError(
             f"scheduler.block_tokens {config.scheduler.block_tokens} must be a multiple of {unit} for this model "
             "(its compress rates)"
+        )
+
+
+def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> None:
+    if config.memory.kv_cache_dtype == "fp4" and not (model_config.is_v41 and model_config.simulate_quantization):
+        raise EngineConfigError(
+            "memory.kv_cache_dtype fp4 packs DeepSeek-V4.1's FP4-rounded KV losslessly; this model "
+            f"({model_config.model_type}) would lose precision: use auto"
         )
 
 
@@ -140,6 +149,7 @@ def build_runner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
+        kv_cache_dtype=config.memory.kv_cache_dtype,
     )
     return runner, memory_plan
 
@@ -154,6 +164,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
+        kv_cache_dtype=config.memory.kv_cache_dtype,
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets

@@ -36,6 +36,7 @@ class ModelRunner:
         snapshot_slots: int = 0,
         tp: TensorParallel = SINGLE,
         cuda_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
@@ -45,7 +46,8 @@ class ModelRunner:
         `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) where the model has a
         decode path (V4, V4.1), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
-        then has one more slot and page (scratch)."""
+        then has one more slot and page (scratch). `kv_cache_dtype`: "fp4" packs V4.1's paged entries
+        (models/packed_pages.py)."""
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
@@ -56,6 +58,7 @@ class ModelRunner:
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
             num_pages=None if num_pages is None else num_pages + scratch, block_tokens=block_tokens,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.device = device
         self.graphs: DecodeGraphs | None = None
