@@ -25,6 +25,12 @@ import torch
 from kernels.fake_quant import fp4_e4m3_parts, fp4_ue8m0_parts
 from kernels.quant import E2M1_VALUES
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path runs
+    triton = None
+
 _MAGNITUDES = E2M1_VALUES[:8]
 
 
@@ -78,7 +84,27 @@ def pack_fp4_ue8m0(x: torch.Tensor, block: int = 32) -> PackedFP4:
 
 
 def unpack_fp4(packed: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values [..., dim] in `dtype` (exact in float32 and bfloat16: at most 5 significant bits)."""
+    """The values [..., dim] in `dtype` (exact in float32 and bfloat16: at most 5 significant bits):
+    one Triton kernel on the GPU, `unpack_fp4_reference` elsewhere."""
+    if triton is None or not packed.codes.is_cuda:
+        return unpack_fp4_reference(packed, dtype)
+    return unpack_fp4_triton(packed, dtype)
+
+
+def unpack_fp4_triton(packed: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    half = packed.codes.shape[-1]
+    codes = packed.codes.reshape(-1, half).contiguous()
+    scales = packed.scales.reshape(-1, packed.scales.shape[-1]).contiguous()
+    out = torch.empty(codes.shape[0], 2 * half, dtype=dtype, device=codes.device)
+    if codes.shape[0]:
+        _unpack_kernel[(codes.shape[0],)](
+            codes, scales, _grids(codes.device)[1], out, half, scales.shape[-1], packed.block,
+            packed.scale_format == "e4m3", HALF=triton.next_power_of_2(half),
+        )
+    return out.view(*packed.codes.shape[:-1], 2 * half)
+
+
+def unpack_fp4_reference(packed: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     low, high = (packed.codes & 0x0F).long(), (packed.codes >> 4).long()
     values = _grids(packed.codes.device)[1][torch.stack((low, high), dim=-1).flatten(-2)]
     if packed.scale_format == "e4m3":
@@ -87,3 +113,31 @@ def unpack_fp4(packed: PackedFP4, dtype: torch.dtype = torch.float32) -> torch.T
         scales = torch.exp2(packed.scales.float() - 127)
     blocks = values.reshape(*values.shape[:-1], -1, packed.block) * scales.unsqueeze(-1)
     return blocks.reshape(values.shape).to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _unpack_kernel(codes_ptr, scales_ptr, values_ptr, out_ptr, half, n_scales, block, E4M3: tl.constexpr,
+                       HALF: tl.constexpr):
+        """One row: byte j holds elements 2j (low nibble) and 2j + 1 (high); each element times its
+        block's scale (float8_e4m3fn bits decoded here, or 2 ** (exponent - 127))."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, HALF)
+        inside = j < half
+        byte = tl.load(codes_ptr + row * half + j, mask=inside, other=0).to(tl.int32)
+        low = tl.load(values_ptr + (byte & 15), mask=inside, other=0.0)
+        high = tl.load(values_ptr + (byte >> 4), mask=inside, other=0.0)
+        low_scale = tl.load(scales_ptr + row * n_scales + (2 * j) // block, mask=inside, other=0).to(tl.int32)
+        high_scale = tl.load(scales_ptr + row * n_scales + (2 * j + 1) // block, mask=inside, other=0).to(tl.int32)
+        if E4M3:  # sign 0 (scales are positive), 4 exponent bits (bias 7), 3 mantissa bits; 0 exponent: subnormal
+            low_factor = tl.where((low_scale >> 3) == 0, (low_scale & 7) * 0.001953125,
+                                  (8 + (low_scale & 7)) * tl.exp2(((low_scale >> 3) - 10).to(tl.float32)))
+            high_factor = tl.where((high_scale >> 3) == 0, (high_scale & 7) * 0.001953125,
+                                   (8 + (high_scale & 7)) * tl.exp2(((high_scale >> 3) - 10).to(tl.float32)))
+        else:
+            low_factor = tl.exp2((low_scale - 127).to(tl.float32))
+            high_factor = tl.exp2((high_scale - 127).to(tl.float32))
+        out_row = out_ptr + row * 2 * half
+        tl.store(out_row + 2 * j, (low * low_factor).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_row + 2 * j + 1, (high * high_factor).to(out_ptr.dtype.element_ty), mask=inside)

@@ -339,3 +339,10 @@ def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
             logits.append(runner.graphs.run(rows).clone())
         assert torch.equal(*logits), f"step {step}"
         positions = [p + 1 for p in positions]
+
+
+def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():
+    from tests.test_triton_kernels import check_unpack_fp4
+
+    check_unpack_fp4(rows=64, dim=512, seed=1, device="cuda")  # V4.1-Flash entries
+    check_unpack_fp4(rows=33, dim=128, seed=2, device="cuda")  # index keys

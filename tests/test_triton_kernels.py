@@ -132,3 +132,18 @@ def test_indexer_scores_kernel_equals_the_reference():
     """Pages out of order, an entry count that is not a multiple of the 32-entry block, and every
     sequence at its own visible length (the rest -inf)."""
     check_indexer_scores(batch=3, heads=5, dim=16, per_page=4, width=9, store_dtype=torch.float32, seed=0)
+
+
+def check_unpack_fp4(rows: int, dim: int, seed: int, device: str = DEVICE) -> None:
+    """Both scale formats, values over many binades (e4m3 subnormal scales included), float32 and bf16."""
+    from kernels.kv_pack import pack_fp4_e4m3, pack_fp4_ue8m0, unpack_fp4_reference, unpack_fp4_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, dim, generator=generator, device=device) * torch.logspace(-6, 3, rows, device=device)[:, None]
+    for packed in (pack_fp4_e4m3(x), pack_fp4_ue8m0(x)):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(unpack_fp4_triton(packed, dtype), unpack_fp4_reference(packed, dtype))
+
+
+def test_unpack_fp4_kernel_is_bitwise_the_reference():
+    check_unpack_fp4(rows=9, dim=64, seed=0)
