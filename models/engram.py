@@ -151,6 +151,19 @@ class EngramMemory:
         self.source.prefetch(self._for_source(row_ids))  # disk tiers read while the layers before Engram run
         return row_ids
 
+    def step_row_ids(self, slots: list[int], token_ids: list[int], positions: list[int], context: torch.Tensor) -> torch.Tensor:
+        """`row_ids` for a decode step (one token per slot), hashed in one vectorised call: the same
+        [N, engram layers, columns] ids and the same advanced look-backs, without a per-sequence loop."""
+        index = torch.tensor(slots, device=context.device)
+        held = context[index].cpu().numpy()
+        held[np.asarray(positions) == 0] = self.hasher.empty_context()  # a sequence at position 0 has no past
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        row_ids = torch.from_numpy(self.hasher.next_row_ids(tokens, held))
+        advanced = np.concatenate([held, self.hasher.lookup[tokens][:, None]], axis=1)[:, 1:]
+        context[index] = torch.from_numpy(advanced).to(device=context.device, dtype=context.dtype)
+        self.source.prefetch(self._for_source(row_ids))
+        return row_ids
+
     def next_row_ids(self, token_ids: np.ndarray, contexts: np.ndarray) -> torch.Tensor:
         """What this rank's source reads ([N, engram layers, its columns]) for one next token of each of N
         sequences with carried contexts [N, N-1]: the runner's prefetch hints."""

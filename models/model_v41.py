@@ -129,8 +129,9 @@ class DeepseekV41(nn.Module):
         device; advances each slot's look-back in the cache (call once per step)."""
         if self.config.engram is None:
             return []
-        batch = ForwardBatch.build([(slot, [token], position, [0]) for slot, token, position in zip(slots, token_ids, positions)])
-        ids = self._engram_row_ids(batch, cache, None)
+        if self.engram_memory is None:
+            raise RuntimeError("this V4.1 checkpoint has Engram layers but no Engram memory was attached")
+        ids = self.engram_memory.step_row_ids(slots, token_ids, positions, cache.engram_context)
         return [self.engram_memory.rows(i, ids) for i in range(len(self.config.engram.layer_ids))]
 
     def _engram_row_ids(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> torch.Tensor | None:

@@ -112,3 +112,22 @@ def test_v41_decode_with_simulated_quantization_tracks_the_forward(checkpoints):
     errors = decode_against_forward(load_model(checkpoints["v41"]), steps=24, rtol=None)
     assert sum(e < 1e-4 for e in errors) >= 20, errors
     assert max(errors) < 0.05, errors
+
+
+def test_engram_step_row_ids_equal_the_per_chunk_hashing(checkpoints):
+    """The vectorised decode-step hashing against the chunked one: the same row ids and look-backs,
+    for sequences mid-stream, just started (position 0 clears what the slot held), and past a dead id."""
+    from models import load_model
+
+    model = load_model(checkpoints["v41"])
+    memory = model.engram_memory
+    cache = ModelCache.allocate(model.config, 4, 64)
+    model(ForwardBatch.build([(0, random_tokens(5, seed=1), 0), (1, random_tokens(1, seed=2), 0),
+                              (2, random_tokens(9, seed=3), 0), (3, random_tokens(7, seed=4), 0)]), cache)
+    context = cache.engram_context
+    context[2, 0] = -1  # a dead id inside the look-back
+    slots, tokens, positions = [0, 1, 2, 3], random_tokens(4, seed=5), [5, 1, 9, 0]
+    by_chunk = context.clone()
+    expected = memory.row_ids(ForwardBatch.build([(s, [t], p) for s, t, p in zip(slots, tokens, positions)]), by_chunk)
+    assert torch.equal(memory.step_row_ids(slots, tokens, positions, context), expected)
+    assert torch.equal(context, by_chunk)
