@@ -19,22 +19,13 @@ import statistics
 
 import torch
 
+from bench.slice_roofline import timed_ms
 from kernels.attention import decode_attention_reference, decode_attention_triton
 from kernels.moe import experts_grouped, experts_pairwise
 
 
 def median_ms(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(timed_ms(fn, "cuda", repeats, warmup=5))
 
 
 def bench_moe(repeats: int) -> None:
