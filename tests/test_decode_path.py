@@ -131,3 +131,13 @@ def test_engram_step_row_ids_equal_the_per_chunk_hashing(checkpoints):
     expected = memory.row_ids(ForwardBatch.build([(s, [t], p) for s, t, p in zip(slots, tokens, positions)]), by_chunk)
     assert torch.equal(memory.step_row_ids(slots, tokens, positions, context), expected)
     assert torch.equal(context, by_chunk)
+
+
+def test_graph_buckets_cover_every_batch_and_table():
+    from worker.cuda_graphs import batch_buckets, width_buckets
+
+    assert batch_buckets(1) == [1] and batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert width_buckets(66, 128) == [32, 66]  # 4,096 tokens, then the whole 8,448-token table
+    assert width_buckets(8192, 128) == [32, 128, 512, 2048, 8192]
+    assert width_buckets(4, 128) == [4]  # a table shorter than the first bucket

@@ -2,8 +2,8 @@
 width) bucket, replayed with new inputs copied into the same static buffers.
 
 A decode step of a MoE model launches a few hundred small kernels; launched one by one from Python
-they cost more than the weights take to read. A graph launches them all at once. What makes the
-decode path capturable is `DeepseekV4.decode`: shapes fixed by the batch, no host reads.
+they cost more than the weights take to read. A graph launches them all at once. What makes a step
+capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no host reads.
 
 - Batch buckets 1, 2, 4, 8, then multiples of 8 up to max_num_seqs (as vLLM); a step of n sequences
   replays the smallest bucket >= n, its extra rows padding: they decode token 0 at position 0 into a
@@ -17,8 +17,8 @@ decode path capturable is `DeepseekV4.decode`: shapes fixed by the batch, no hos
   replay of the same graph.
 - V4.1's Engram rows depend only on the step's tokens, so they are fetched before the replay (host
   cache, disk reads the prefetch hints started a step earlier) into static per-layer buffers the
-  graph reads; the time the step waits for them is counted (`engram_wait_s`, measured by
-  bench/slice.py). One graph per step, not split at the Engram layers: the rows are known before
+  graph reads; the time the step waits for them is counted (`engram_wait_s`, reported by
+  `bench.engram --cuda-graphs`). One graph per step, not split at the Engram layers: the rows are known before
   the first layer runs, so a split would only move the wait.
 After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
 and reserved bytes across a served decode run).
@@ -42,11 +42,13 @@ FIRST_WIDTH_TOKENS = 4096
 
 
 def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, and max_batch itself, all <= max_batch."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
     return sorted(set(sizes))
 
 
 def width_buckets(max_pages: int, block_tokens: int) -> list[int]:
+    """Block-table widths in pages: 4,096 tokens' worth, then x4, and max_pages itself last."""
     widths, tokens = [], FIRST_WIDTH_TOKENS
     while tokens < max_pages * block_tokens:
         widths.append(-(-tokens // block_tokens))
@@ -56,6 +58,8 @@ def width_buckets(max_pages: int, block_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class DecodeRow:
+    """One sequence of a decode step: its cache slot, the token it adds at `position`, its block table."""
+
     slot: int
     token_id: int
     position: int
