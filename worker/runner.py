@@ -83,13 +83,9 @@ class ModelRunner:
         chunk_logits: dict[str, torch.Tensor] = {}
         failed_chunks: dict[str, str] = {}
         if computed:
-            if self._replays_graph(computed):
-                logits = self.graphs.run([DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed])
-                failed = self._engram_failures(len(computed))
-                for index, (chunk, rows) in enumerate(zip(computed, logit_rows)):
-                    chunk_logits[chunk.request_id] = logits[index : index + len(rows)]
-                    if index in failed:
-                        failed_chunks[chunk.request_id] = failed[index]
+            rows = self._graph_rows(computed)
+            if rows is not None:
+                self._replay(rows, computed, logit_rows, chunk_logits, failed_chunks)
             else:
                 self._forward(computed, logit_rows, chunk_logits, failed_chunks)
             self._keep_last_logits(computed, chunk_logits)
@@ -107,9 +103,23 @@ class ModelRunner:
         self._hint_next_rows(plan, results)
         return StepResult(chunks=tuple(results))
 
-    def _replays_graph(self, computed: list) -> bool:
-        return self.graphs is not None and all(len(c.token_ids) == 1 for c in computed) and self.graphs.fits(
-            [DecodeRow(c.slot, 0, c.position, c.pages) for c in computed])
+    def _graph_rows(self, computed: list) -> list[DecodeRow] | None:
+        """The step as decode rows when a captured graph can run it (one token per chunk, a bucket
+        that holds it), else None."""
+        if self.graphs is None or any(len(c.token_ids) != 1 for c in computed):
+            return None
+        rows = [DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed]
+        return rows if self.graphs.fits(rows) else None
+
+    def _replay(self, rows: list[DecodeRow], computed: list, logit_rows: list[list[int]], chunk_logits: dict,
+                failed_chunks: dict) -> None:
+        """The decode graph over the step; fills each chunk's logits and Engram errors, as `_forward`."""
+        logits = self.graphs.run(rows)
+        failed = self._engram_failures(len(rows))
+        for index, (chunk, wanted) in enumerate(zip(computed, logit_rows)):
+            chunk_logits[chunk.request_id] = logits[index : index + len(wanted)]
+            if index in failed:
+                failed_chunks[chunk.request_id] = failed[index]
 
     def _forward(self, computed: list, logit_rows: list[list[int]], chunk_logits: dict, failed_chunks: dict) -> None:
         """The eager forward over the flat batch of chunks; fills each chunk's logits and Engram errors."""
