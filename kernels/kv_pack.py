@@ -111,7 +111,7 @@ def unpack_fp4_reference(packed: PackedFP4, dtype: torch.dtype = torch.float32) 
         scales = packed.scales.view(torch.float8_e4m3fn).float()
     else:
         scales = torch.exp2(packed.scales.float() - 127)
-    blocks = values.reshape(*values.shape[:-1], -1, packed.block) * scales.unsqueeze(-1)
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // packed.block, packed.block) * scales.unsqueeze(-1)
     return blocks.reshape(values.shape).to(dtype)
 
 

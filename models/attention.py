@@ -16,7 +16,7 @@ from torch import nn
 from kernels.attention import decode_attention
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
-from models.cache import LayerCache, paged_gather_rows, paged_read
+from models.cache import LayerCache, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
@@ -111,7 +111,7 @@ class Attention(nn.Module):
                 ids, chosen = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
                 compressed = paged_gather_rows(entries, batch.block_tables, ids)
             else:
-                compressed = entries[batch.block_tables].flatten(1, 2)
+                compressed = paged_pages(entries, batch.block_tables).flatten(1, 2)
                 count = compressed.shape[1]
                 visible = (batch.positions + 1) // self.compressor.rate
                 chosen = torch.arange(count, device=x.device)[None, :] < visible[:, None]

@@ -27,7 +27,7 @@ class PoolerCache:
 
     raw_kv: torch.Tensor  # [slots, ring, width] projections of tokens of still-needed windows
     raw_gate: torch.Tensor  # [slots, ring, width]
-    entries: torch.Tensor  # [pages, block_tokens // rate, head_dim] paged pooled entries
+    entries: torch.Tensor | PackedPages  # [pages, block_tokens // rate, head_dim] paged pooled entries
 
     @property
     def ring(self) -> int:
@@ -46,13 +46,7 @@ class SharedStore:
 
     def paged(self) -> list[torch.Tensor]:
         """The page-first tensors (a packed store's code and scale bytes)."""
-        out: list[torch.Tensor] = []
-        for store in (self.entries, self.index_keys):
-            if isinstance(store, PackedPages):
-                out += store.tensors()
-            elif store is not None:
-                out.append(store)
-        return out
+        return [t for store in (self.entries, self.index_keys) if store is not None for t in _page_tensors(store)]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.raw_kv, self.raw_gate, *self.paged()]
@@ -64,6 +58,11 @@ class LayerCache:
     compressor: PoolerCache | None
     indexer: PoolerCache | None
     shared: SharedStore | None = None  # V4.1 kv sources only
+
+
+def _page_tensors(store: "torch.Tensor | PackedPages") -> list[torch.Tensor]:
+    """A store's page-first tensors: itself, or a packed store's code and scale bytes."""
+    return store.tensors() if isinstance(store, PackedPages) else [store]
 
 
 # A paged store is a [pages, per_page, dim] tensor or PackedPages (packed FP4, same calls): the
@@ -160,13 +159,12 @@ class ModelCache:
         """Without `num_pages`, every slot gets its own pages for `max_len` tokens (tests, tools);
         the engine passes the page count its memory plan affords and block tables per chunk.
         `kv_cache_dtype` "fp4": V4.1's compressed entries and index keys as packed FP4 pages
-        (models/packed_pages.py), lossless because the model rounds them to FP4 itself; refused where
-        it would not be (V4, or V4.1 without its simulated quantization)."""
-        if kv_cache_dtype == "fp4":
-            if not config.is_v41:
-                raise ValueError("kv_cache_dtype fp4 packs V4.1's FP4-rounded entries; this is a V4 model (use auto)")
-            if not config.simulate_quantization:
-                raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
+        (models/packed_pages.py), lossless because the model rounds them to FP4 itself (refused for V4.1
+        without its simulated quantization, a reference mode); for V4, whose cache is not rounded, an
+        opt-in that rounds its compressed entries and index keys the same way (lossy: see
+        tests/test_packed_kv.py for the measured error)."""
+        if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
+            raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
         unit = page_granularity(config)
         block_tokens = block_tokens or unit
         if block_tokens % unit:
@@ -178,29 +176,34 @@ class ModelCache:
         if config.is_v41:
             layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
         else:
-            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device)
+            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
         context = None
         if config.engram is not None:
             context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
         return cls(layers, num_slots, max_len, num_pages, block_tokens, context, slot_pages)
 
     @staticmethod
-    def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device) -> list[LayerCache]:
-        def pooler(rate: int, overlap: bool, head_dim: int) -> PoolerCache:
+    def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool) -> list[LayerCache]:
+        def pooler(rate: int, overlap: bool, head_dim: int, scale_format: str) -> PoolerCache:
             width = (2 if overlap else 1) * head_dim
             ring = (2 if overlap else 1) * rate
+            per_page = block_tokens // rate
+            if packed:
+                entries = PackedPages.allocate(num_pages, per_page, head_dim, scale_format, dtype, device)
+            else:
+                entries = torch.zeros(num_pages, per_page, head_dim, dtype=dtype, device=device)
             return PoolerCache(
                 raw_kv=torch.zeros(num_slots, ring, width, dtype=dtype, device=device),
                 raw_gate=torch.zeros(num_slots, ring, width, dtype=dtype, device=device),
-                entries=torch.zeros(num_pages, block_tokens // rate, head_dim, dtype=dtype, device=device),
+                entries=entries,
             )
 
         layers = []
         for layer, kind in enumerate(config.layer_types):
             rate = config.compress_rates[layer]
             window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
-            compressor = pooler(rate, kind == CSA, config.head_dim) if rate else None
-            indexer = pooler(rate, True, config.index_head_dim) if kind == CSA else None
+            compressor = pooler(rate, kind == CSA, config.head_dim, "e4m3") if rate else None
+            indexer = pooler(rate, True, config.index_head_dim, "ue8m0") if kind == CSA else None
             layers.append(LayerCache(window=window, compressor=compressor, indexer=indexer))
         return layers
 
@@ -266,7 +269,7 @@ class ModelCache:
             out.append(layer.window)
             for pooler in (layer.compressor, layer.indexer):
                 if pooler is not None:
-                    out += [pooler.raw_kv, pooler.raw_gate, pooler.entries]
+                    out += [pooler.raw_kv, pooler.raw_gate, *_page_tensors(pooler.entries)]
             if layer.shared is not None:
                 out += layer.shared.tensors()
         if self.engram_context is not None:
@@ -279,7 +282,9 @@ class ModelCache:
     def paged_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for layer in self.layers:
-            out += [pooler.entries for pooler in (layer.compressor, layer.indexer) if pooler is not None]
+            for pooler in (layer.compressor, layer.indexer):
+                if pooler is not None:
+                    out += _page_tensors(pooler.entries)
             if layer.shared is not None:
                 out += layer.shared.paged()
         return out

@@ -75,7 +75,8 @@ class MemorySection(Section):
     # serving measures the device it runs on instead
     gpu_memory_gb: float | None = Field(default=None, gt=0)
     # fp4: V4.1's compressed KV entries and index keys as packed FP4 pages (lossless: the model rounds
-    # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. V4 takes auto only.
+    # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. On V4, fp4 is an
+    # opt-in that rounds the cache (lossy).
     kv_cache_dtype: Literal["auto", "fp4"] = "auto"
 
 

@@ -7,6 +7,7 @@ block tables wider than they need (what a graph's fixed width gives) and pages o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.moe import experts_grouped, experts_reference
@@ -19,17 +20,20 @@ BLOCK = 16
 WIDTH = 8  # pages in every block table: 128 tokens
 
 
-def build(seed: int = 0):
-    config = ModelConfig.from_dict(tiny_config_dict())
+def build(seed: int = 0, **overrides):
+    config = ModelConfig.from_dict(tiny_config_dict(**overrides))
     return build_random_model(config, torch.float32, "cpu", seed)
 
 
-def test_decode_equals_forward_over_many_steps():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp4"])
+def test_decode_equals_forward_over_many_steps(kv_cache_dtype):
+    """fp4: both paths over packed pages (index keys 32 wide, a whole scale block)."""
     torch.manual_seed(0)
-    model = build()
+    model = build(index_head_dim=32)
     starts = [0, 5, 23, 40]  # prompt lengths: the first decodes from an empty slot
     pages = {slot: [17 - 4 * slot - i for i in range(4)] for slot in range(4)}  # 4 pages, descending
-    caches = [ModelCache.allocate(model.config, 4, 64, num_pages=18, block_tokens=BLOCK) for _ in range(2)]
+    caches = [ModelCache.allocate(model.config, 4, 64, num_pages=18, block_tokens=BLOCK, kv_cache_dtype=kv_cache_dtype)
+              for _ in range(2)]
     prompts = [random_tokens(n, seed=slot) for slot, n in enumerate(starts)]
     for cache in caches:
         rows = [(slot, prompt, 0, pages[slot]) for slot, prompt in enumerate(prompts) if prompt]

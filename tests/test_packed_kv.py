@@ -76,11 +76,34 @@ def test_packed_pages_take_a_seventh_of_float32_pages(checkpoints):
     assert packed.page_bytes() * 6 < plain.page_bytes() < packed.page_bytes() * 8
 
 
-def test_fp4_is_refused_where_it_would_lose_precision(checkpoints):
+def test_fp4_is_refused_for_v41_without_its_simulated_quantization(checkpoints):
     with pytest.raises(ValueError, match="simulated"):
         ModelCache.allocate(load_model(checkpoints["v41"], simulate_quantization=False).config, 2, 32, kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match="V4.1"):
-        ModelCache.allocate(load_model(checkpoints["mixed"]).config, 2, 32, kv_cache_dtype="fp4")
+
+
+def test_v4_packing_is_lossy_and_measured():
+    """V4 does not round its cache, so fp4 (opt-in) rounds its compressed entries and index keys.
+    Measured on a tiny random V4 (head_dim 32, scales per 16), every position of two prompts: the
+    positions before the first compressed entry are untouched; per position the logits' max error
+    relative to their max was 3.4% at the median and 48% at worst, and 89% of argmaxes agreed."""
+    from models import ModelConfig
+    from models.random_model import build_random_model
+    from models.tiny import tiny_config_dict
+
+    model = build_random_model(ModelConfig.from_dict(tiny_config_dict(index_head_dim=32)), torch.float32, "cpu", 0)
+    prompts = [random_tokens(100, seed=1), random_tokens(60, seed=2)]
+    logits = []
+    for kind in ("auto", "fp4"):
+        cache = ModelCache.allocate(model.config, 2, 128, num_pages=16, block_tokens=BLOCK, kv_cache_dtype=kind)
+        batch = ForwardBatch.build([(0, prompts[0], 0, list(range(8))), (1, prompts[1], 0, list(range(8, 16)))], logits="all")
+        logits.append(model(batch, cache))
+    assert cache.page_bytes() * 7 < ModelCache.allocate(model.config, 2, 128, num_pages=16, block_tokens=BLOCK).page_bytes()
+    plain, packed = logits
+    error = (plain - packed).abs().amax(-1) / plain.abs().amax(-1)
+    first_entry = min(r for r in model.config.compress_rates if r) - 1  # the first pooled entry closes here
+    assert torch.equal(plain[:first_entry], packed[:first_entry])
+    assert error.median() < 0.1 and error.max() > 0
+    assert (plain.argmax(-1) == packed.argmax(-1)).float().mean() > 0.8
 
 
 def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(checkpoints):
@@ -101,7 +124,7 @@ def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(ch
     assert warm.tokens("warm") == cold.tokens("cold") and warm.logprobs("warm") == cold.logprobs("cold")
 
 
-def test_plan_shows_packed_bytes_per_token_and_refuses_them_for_v4(capsys):
+def test_plan_shows_packed_bytes_per_token(capsys):
     from tests.test_deploy_plan import plan_main
 
     status, plain, _ = plan_main(capsys, "--config", "configs/cpu-tiny.yaml")
@@ -113,5 +136,3 @@ def test_plan_shows_packed_bytes_per_token_and_refuses_them_for_v4(capsys):
         return int(text.split(" B per token")[0].rsplit("(", 1)[1].replace(",", ""))
 
     assert per_token(packed) * 7 < per_token(plain)
-    status, _, err = plan_main(capsys, "--config", "configs/h200x1.yaml", "--set", "memory.kv_cache_dtype=fp4")
-    assert status == 2 and "memory.kv_cache_dtype" in err and "V4 model" in err, err

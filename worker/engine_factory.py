@@ -107,11 +107,10 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
 
 
 def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> None:
-    if config.memory.kv_cache_dtype == "fp4" and not (model_config.is_v41 and model_config.simulate_quantization):
-        raise EngineConfigError(
-            "memory.kv_cache_dtype fp4 packs DeepSeek-V4.1's FP4-rounded KV losslessly; this model "
-            f"({model_config.model_type}) would lose precision: use auto"
-        )
+    """fp4 is lossless for V4.1 (it rounds its cache to FP4 itself); for V4 it is an opt-in that rounds."""
+    if config.memory.kv_cache_dtype == "fp4" and not model_config.is_v41:
+        log.warning("memory.kv_cache_dtype fp4 on a V4 model rounds its compressed KV and index keys to FP4: "
+                    "logits move (lossy; tests/test_packed_kv.py measures how far)")
 
 
 def build_runner(
