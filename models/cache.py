@@ -48,9 +48,6 @@ class SharedStore:
         """The page-first tensors (a packed store's code and scale bytes)."""
         return [t for store in (self.entries, self.index_keys) if store is not None for t in _page_tensors(store)]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.raw_kv, self.raw_gate, *self.paged()]
-
 
 @dataclass
 class LayerCache:
@@ -264,17 +261,8 @@ class ModelCache:
         _copy_rows(self.paged_tensors(), sources, targets)
 
     def tensors(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for layer in self.layers:
-            out.append(layer.window)
-            for pooler in (layer.compressor, layer.indexer):
-                if pooler is not None:
-                    out += [pooler.raw_kv, pooler.raw_gate, *_page_tensors(pooler.entries)]
-            if layer.shared is not None:
-                out += layer.shared.tensors()
-        if self.engram_context is not None:
-            out.append(self.engram_context)
-        return out
+        """Every buffer of the cache: the per-slot state, then the pages."""
+        return self.fixed_tensors() + self.paged_tensors()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
