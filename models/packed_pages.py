@@ -46,10 +46,6 @@ class PackedPages:
         """[pages, per_page, dim], as the unpacked tensor's."""
         return torch.Size((*self.codes.shape[:2], 2 * self.codes.shape[2]))
 
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
     def tensors(self) -> list[torch.Tensor]:
         """The byte tensors, page first (what page copies and byte counts walk)."""
         return [self.codes, self.scales]
