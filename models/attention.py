@@ -63,6 +63,14 @@ def add_attention_projections(module: nn.Module, c: ModelConfig, tp: TensorParal
     return heads.size
 
 
+def attention_output(module: nn.Module, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The projections `add_attention_projections` made, applied to the heads' output [T, heads, dim]:
+    its rope channels rotated back by the query position, then the grouped low-rank output (a partial
+    sum under tensor parallelism, completed here)."""
+    out = apply_rope(out, cos, -sin)
+    return module.tp.all_reduce(module.o_b_proj(module.o_a_proj(out.flatten(1))))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -128,10 +136,7 @@ class Attention(nn.Module):
         return cos, sin, q_residual, q, kv
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates the output's rope channels back by the query position, then the grouped low-rank
-        output projection (a partial sum under tensor parallelism, completed here)."""
-        out = apply_rope(out, cos, -sin)
-        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
+        return attention_output(self, out, cos, sin)
 
     def _attend_chunk(
         self,

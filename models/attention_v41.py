@@ -19,7 +19,7 @@ from kernels import fake_quant_fp8_ue8m0
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from kernels.attention import decode_attention
 from kernels.indexer import indexer_scores
-from models.attention import add_attention_projections, window_keys, window_keys_decode
+from models.attention import add_attention_projections, attention_output, window_keys, window_keys_decode
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_gather_rows, paged_read
 from models.config import ModelConfig
@@ -94,8 +94,7 @@ class SharedCompressedAttention(nn.Module):
             keys, bias = window_keys(chunk, kv[rows], cache.layers[self.layer].window)
             picked = self._picked_entries(chunk, cache, selections[index])
             out[rows] = self._attend(q[rows], keys, bias, picked)
-        out = apply_rope(out, cos, -sin)
-        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
+        return attention_output(self, out, cos, sin)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: ModelCache, selection: ChunkSelection) -> torch.Tensor:
         """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows,
@@ -114,8 +113,7 @@ class SharedCompressedAttention(nn.Module):
             ids = selection.topk
             picked = paged_gather_rows(cache.layers[self.kv_source].shared.entries, batch.block_tables, ids.clamp(min=0))
             keys, valid = torch.cat([keys, picked.to(keys.dtype)], dim=1), torch.cat([valid, ids >= 0], dim=1)
-        out = apply_rope(decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, -sin)
-        return self.tp.all_reduce(self.o_b_proj(self.o_a_proj(out.flatten(1))))
+        return attention_output(self, decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, sin)
 
     def _decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: ModelCache,
