@@ -87,7 +87,7 @@ async def measure(client: AsyncOpenAI, model: str, concurrency: int, prompt_len:
 def served(server_args: list[str], port: int, timeout_s: float) -> Iterator[str]:
     """`python -m server ARGS --port PORT` until /ready answers; its /v1 base URL. Stopped after."""
     process = subprocess.Popen([sys.executable, "-m", "server", *server_args, "--port", str(port)], cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -118,6 +118,20 @@ def unpack_fp4_reference(packed: PackedFP4, dtype: torch.dtype = torch.float32) 
 if triton is not None:
 
     @triton.jit
+    def _e4m3_scale(bits):
+        """float8_e4m3fn bits (sign 0: scales are positive; 4 exponent bits, bias 7; 3 mantissa bits) as a
+        float32 built from its bit pattern: `tl.exp2` compiles to an approximate instruction on the GPU,
+        which does not give exact powers of two. Exponent 0 is subnormal: mantissa x 2 ** -9."""
+        exponent, mantissa = bits >> 3, bits & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        return tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+
+    @triton.jit
+    def _ue8m0_scale(bits):
+        """2 ** (bits - 127) from its bit pattern (bits 0: the float32 subnormal 2 ** -127)."""
+        return tl.where(bits == 0, (1 << 22), bits << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _unpack_kernel(codes_ptr, scales_ptr, values_ptr, out_ptr, half, n_scales, block, E4M3: tl.constexpr,
                        HALF: tl.constexpr):
         """One row: byte j holds elements 2j (low nibble) and 2j + 1 (high); each element times its
@@ -130,14 +144,12 @@ if triton is not None:
         high = tl.load(values_ptr + (byte >> 4), mask=inside, other=0.0)
         low_scale = tl.load(scales_ptr + row * n_scales + (2 * j) // block, mask=inside, other=0).to(tl.int32)
         high_scale = tl.load(scales_ptr + row * n_scales + (2 * j + 1) // block, mask=inside, other=0).to(tl.int32)
-        if E4M3:  # sign 0 (scales are positive), 4 exponent bits (bias 7), 3 mantissa bits; 0 exponent: subnormal
-            low_factor = tl.where((low_scale >> 3) == 0, (low_scale & 7) * 0.001953125,
-                                  (8 + (low_scale & 7)) * tl.exp2(((low_scale >> 3) - 10).to(tl.float32)))
-            high_factor = tl.where((high_scale >> 3) == 0, (high_scale & 7) * 0.001953125,
-                                   (8 + (high_scale & 7)) * tl.exp2(((high_scale >> 3) - 10).to(tl.float32)))
+        if E4M3:
+            low_factor = _e4m3_scale(low_scale)
+            high_factor = _e4m3_scale(high_scale)
         else:
-            low_factor = tl.exp2((low_scale - 127).to(tl.float32))
-            high_factor = tl.exp2((high_scale - 127).to(tl.float32))
+            low_factor = _ue8m0_scale(low_scale)
+            high_factor = _ue8m0_scale(high_scale)
         out_row = out_ptr + row * 2 * half
         tl.store(out_row + 2 * j, (low * low_factor).to(out_ptr.dtype.element_ty), mask=inside)
         tl.store(out_row + 2 * j + 1, (high * high_factor).to(out_ptr.dtype.element_ty), mask=inside)
