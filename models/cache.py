@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import CSA, ModelConfig
+from models.host_tier import HostTierSpec, HotRing, TieredPages
 from models.packed_pages import PackedPages
 
 
@@ -41,7 +42,7 @@ class SharedStore:
 
     raw_kv: torch.Tensor  # [slots, r, head_dim] float32, token p at row p % r (empty ring for r = 1)
     raw_gate: torch.Tensor  # [slots, r, head_dim] float32
-    entries: torch.Tensor | PackedPages  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
+    entries: torch.Tensor | PackedPages | TieredPages  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
     index_keys: torch.Tensor | PackedPages | None  # [pages, block_tokens // r, index_head_dim] if the source owns keys
 
     def paged(self) -> list[torch.Tensor]:
@@ -57,28 +58,29 @@ class LayerCache:
     shared: SharedStore | None = None  # V4.1 kv sources only
 
 
-def _page_tensors(store: "torch.Tensor | PackedPages") -> list[torch.Tensor]:
+# A paged store is a [pages, per_page, dim] tensor, PackedPages (packed FP4) or TieredPages (packed
+# FP4 in the host tier with a GPU hot ring), the last two with the same calls: the helpers below
+# address entries of a sequence through its block table whichever it is.
+PagedStore = torch.Tensor | PackedPages | TieredPages
+
+
+def _page_tensors(store: PagedStore) -> list[torch.Tensor]:
     """A store's page-first tensors: itself, or a packed store's code and scale bytes."""
-    return store.tensors() if isinstance(store, PackedPages) else [store]
-
-
-# A paged store is a [pages, per_page, dim] tensor or PackedPages (packed FP4, same calls): the
-# helpers below address entries of a sequence through its block table either way.
-PagedStore = torch.Tensor | PackedPages
+    return [store] if isinstance(store, torch.Tensor) else store.tensors()
 
 
 def paged_pages(store: PagedStore, tables: torch.Tensor) -> torch.Tensor:
     """Whole pages: tables [...] -> [..., per_page, dim]."""
-    return store.pages(tables) if isinstance(store, PackedPages) else store[tables]
+    return store[tables] if isinstance(store, torch.Tensor) else store.pages(tables)
 
 
 def _at(store: PagedStore, page: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return store.at(page, index) if isinstance(store, PackedPages) else store[page, index]
+    return store[page, index] if isinstance(store, torch.Tensor) else store.at(page, index)
 
 
 def _put(store: PagedStore, page: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
          where: torch.Tensor | None = None) -> None:
-    if isinstance(store, PackedPages):
+    if not isinstance(store, torch.Tensor):
         store.put(page, index, values, where)
         return
     values = values.to(store.dtype)
@@ -140,6 +142,7 @@ class ModelCache:
     # a chunk at position 0 starts from all -1, whatever the slot held before.
     engram_context: torch.Tensor | None = None
     slot_pages: int = 0  # > 0: slot s owns pages [s * slot_pages, (s + 1) * slot_pages) by default
+    hot: HotRing | None = None  # with a host tier: which pages the GPU ring holds
 
     @classmethod
     def allocate(
@@ -152,6 +155,7 @@ class ModelCache:
         num_pages: int | None = None,
         block_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
+        host_tier: HostTierSpec | None = None,
     ) -> "ModelCache":
         """Without `num_pages`, every slot gets its own pages for `max_len` tokens (tests, tools);
         the engine passes the page count its memory plan affords and block tables per chunk.
@@ -159,9 +163,13 @@ class ModelCache:
         (models/packed_pages.py), lossless because the model rounds them to FP4 itself (refused for V4.1
         without its simulated quantization, a reference mode); for V4, whose cache is not rounded, an
         opt-in that rounds its compressed entries and index keys the same way (lossy: see
-        tests/test_packed_kv.py for the measured error)."""
+        tests/test_packed_kv.py for the measured error). `host_tier`: V4.1's packed compressed entries
+        live in host memory with a GPU ring of each sequence's recent pages (models/host_tier.py)."""
         if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
             raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
+        if host_tier is not None and (kv_cache_dtype != "fp4" or not config.is_v41):
+            raise ValueError("the KV host tier (memory.kv_host_tier) holds V4.1's packed entries: it needs a V4.1"
+                             " model and memory.kv_cache_dtype fp4")
         unit = page_granularity(config)
         block_tokens = block_tokens or unit
         if block_tokens % unit:
@@ -170,14 +178,18 @@ class ModelCache:
         if num_pages is None:
             slot_pages = -(-max_len // block_tokens)
             num_pages = num_slots * slot_pages
+        hot = None
+        if host_tier is not None:
+            hot_pages = -(-host_tier.hot_tokens // block_tokens)
+            hot = HotRing(num_pages, host_tier.sequences * hot_pages, hot_pages, block_tokens, device)
         if config.is_v41:
-            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
+            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4", hot)
         else:
             layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
         context = None
         if config.engram is not None:
             context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
-        return cls(layers, num_slots, max_len, num_pages, block_tokens, context, slot_pages)
+        return cls(layers, num_slots, max_len, num_pages, block_tokens, context, slot_pages, hot)
 
     @staticmethod
     def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool) -> list[LayerCache]:
@@ -205,8 +217,10 @@ class ModelCache:
         return layers
 
     @staticmethod
-    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool) -> list[LayerCache]:
-        """Every layer keeps a window; only kv sources keep compressed state, which later layers read."""
+    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool,
+                    hot: HotRing | None) -> list[LayerCache]:
+        """Every layer keeps a window; only kv sources keep compressed state, which later layers read
+        (their entries in the host tier when there is one; index keys stay on the device)."""
         shared = config.shared_compression
 
         def paged(per_page: int, dim: int, scale_format: str) -> torch.Tensor | PackedPages:
@@ -224,7 +238,8 @@ class ModelCache:
                 store = SharedStore(
                     raw_kv=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
                     raw_gate=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
-                    entries=paged(per_page, config.head_dim, "e4m3"),
+                    entries=(paged(per_page, config.head_dim, "e4m3") if hot is None else
+                             TieredPages.allocate(hot, num_pages, per_page, config.head_dim, "e4m3", dtype, device)),
                     index_keys=paged(per_page, config.index_head_dim, "ue8m0") if layer in shared.index_sources else None,
                 )
             layers.append(LayerCache(window=window, compressor=None, indexer=None, shared=store))
@@ -257,15 +272,29 @@ class ModelCache:
         _copy_rows(self.fixed_tensors(), sources, targets)
 
     def copy_pages(self, sources: list[int], targets: list[int]) -> None:
-        """Paged entries of page sources[i] -> targets[i] in every paged layer."""
+        """Paged entries of page sources[i] -> targets[i] in every paged layer (host tier included)."""
         _copy_rows(self.paged_tensors(), sources, targets)
+        if self.hot is not None:
+            self.hot.refresh(targets)
+
+    def hold_hot(self, steps: list[tuple[tuple[int, ...], int]]) -> None:
+        """Before a step: (block table, end position) of each sequence in it; with a host tier, the
+        GPU ring then holds each one's recent pages (a no-op without one)."""
+        if self.hot is not None:
+            self.hot.hold([page for pages, end in steps for page in self.hot.wanted(pages, end)])
+
+    def ring_tensors(self) -> list[torch.Tensor]:
+        """The host tier's GPU ring: fixed, not per page."""
+        if self.hot is None:
+            return []
+        return [self.hot.location] + [t for store in self.hot.stores for t in store.ring_tensors()]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer of the cache: the per-slot state, then the pages."""
         return self.fixed_tensors() + self.paged_tensors()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(t.numel() * t.element_size() for t in self.tensors() + self.ring_tensors())
 
     def paged_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -278,11 +307,18 @@ class ModelCache:
         return out
 
     def page_bytes(self) -> int:
-        """Bytes one page adds across every paged layer (what the memory plan divides by)."""
+        """Bytes one page adds across every paged layer, both tiers (what the memory plan divides by)."""
         return sum(t[0].numel() * t.element_size() for t in self.paged_tensors())
 
+    def host_tier_page_bytes(self) -> int:
+        """The part of page_bytes() that lives in the host tier (0 without one)."""
+        if self.hot is None:
+            return 0
+        return sum(t[0].numel() * t.element_size() for store in self.hot.stores for t in store.tensors())
+
     def slot_bytes(self) -> int:
-        """Bytes of the fixed per-slot state (windows, open groups, look-back), all slots."""
+        """Bytes of the fixed state: per slot (windows, open groups, look-back), all slots, and the host
+        tier's GPU ring."""
         return self.nbytes() - self.num_pages * self.page_bytes()
 
 

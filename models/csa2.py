@@ -21,7 +21,6 @@ from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
 from kernels.batch_invariant import batch_invariant_active
 from models.batch import DecodeBatch, SequenceChunk
 from models.cache import SharedStore, paged_write, paged_write_rows
-from models.packed_pages import PackedPages
 from models.layers import RMSNorm, RotaryTable, apply_rope
 
 
@@ -93,7 +92,7 @@ class SharedCompressor(nn.Module):
     def _rounded(self, store, entries: torch.Tensor) -> torch.Tensor:
         """What to hand the store: a packed store rounds as it packs (from the unrounded values, which
         packing an already-rounded entry would not always reproduce); a plain one stores the rounding."""
-        return entries if isinstance(store, PackedPages) else self.quantize(entries)
+        return self.quantize(entries) if isinstance(store, torch.Tensor) else entries
 
     def _latents(
         self, chunk: SequenceChunk, x: torch.Tensor, store: SharedStore, first: int, end: int
@@ -140,7 +139,7 @@ class SharedIndexer(nn.Module):
         """Index keys of new entries from their pre-RoPE latents (unrounded for a packed `store`, which
         rounds as it packs)."""
         keys = apply_rope(self.k_norm(self.k_proj(latents)), cos, sin)
-        return keys if isinstance(store, PackedPages) else self.quantize(keys)
+        return self.quantize(keys) if isinstance(store, torch.Tensor) else keys
 
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, visible_len: torch.Tensor,

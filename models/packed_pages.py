@@ -64,7 +64,14 @@ class PackedPages:
 
     def put(self, page: torch.Tensor, index: torch.Tensor, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
         """Packs `values` [n, dim] (before FP4 rounding) into (page, index); with `where` [n] only there."""
-        packed = PACKERS[self.scale_format][0](values)
+        self.put_packed(page, index, self.pack(values), where)
+
+    def pack(self, values: torch.Tensor) -> PackedFP4:
+        """Entries [n, dim] before FP4 rounding -> their code and scale bytes."""
+        return PACKERS[self.scale_format][0](values)
+
+    def put_packed(self, page: torch.Tensor, index: torch.Tensor, packed: PackedFP4, where: torch.Tensor | None = None) -> None:
+        """Stores already packed entries at (page, index); with `where` [n] only there."""
         codes, scales = packed.codes, packed.scales
         if where is not None:
             codes = torch.where(where[:, None], codes, self.codes[page, index])

@@ -78,6 +78,11 @@ class MemorySection(Section):
     # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. On V4, fp4 is an
     # opt-in that rounds the cache (lossy).
     kv_cache_dtype: Literal["auto", "fp4"] = "auto"
+    # true: V4.1's packed compressed entries (needs kv_cache_dtype fp4) live in pinned shared host memory
+    # (budgeted by host_memory_gb) and the GPU keeps each running sequence's last kv_hot_tokens tokens
+    # of them in a ring (models/host_tier.py); reads are bitwise the same, contexts far longer
+    kv_host_tier: bool = False
+    kv_hot_tokens: int = Field(default=32768, gt=0)
 
 
 class ParallelSection(Section):
@@ -164,6 +169,8 @@ FLAG_KEYS = {
     "enable_prefix_caching": "scheduler.enable_prefix_caching",
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
     "kv_cache_dtype": "memory.kv_cache_dtype",
+    "kv_host_tier": "memory.kv_host_tier",
+    "kv_hot_tokens": "memory.kv_hot_tokens",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "deterministic": "runtime.deterministic",
     "enforce_eager": "runtime.enforce_eager",

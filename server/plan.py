@@ -29,6 +29,7 @@ import torch
 from models.cache import ModelCache, page_granularity
 from models.config import ConfigError, ModelConfig
 from models.engram_hash import EngramLayout
+from models.host_tier import HostTierSpec
 from scheduler.admission import MemoryPlan, MemoryPlanError, plan_pages
 from server.config import (
     DEFAULT_CONFIG,
@@ -40,7 +41,7 @@ from server.config import (
 )
 from server.features import Unbuilt, unbuilt_features
 from server.plan_weights import KINDS, WeightTensor, weight_tensors
-from worker.engine_factory import max_model_len, resolve_dtype
+from worker.engine_factory import EngineConfigError, check_kv_cache_dtype, max_model_len, resolve_dtype
 
 GiB = 2**30
 MODELS_DIR = REPO_ROOT / "configs" / "models"
@@ -157,20 +158,30 @@ def workspace_estimate(model_config: ModelConfig, config: ServeConfig) -> tuple[
     return activations, logits
 
 
-def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dtype, max_len: int) -> tuple[int, int]:
-    """(bytes per page, fixed state of every slot): the engine's own cache, allocated on the meta device."""
+def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dtype, max_len: int) -> tuple[int, int, int]:
+    """(bytes per page, fixed state of every slot, the host tier's bytes per page): the engine's own
+    cache, allocated on the meta device."""
     sched = config.scheduler
     unit = page_granularity(model_config)
     if sched.block_tokens % unit:
         raise ConfigFileError(f"scheduler.block_tokens {sched.block_tokens} must be a multiple of {unit} for this"
                               " model (its compress rates)")
     try:
+        check_kv_cache_dtype(config, model_config)
+    except EngineConfigError as error:
+        raise ConfigFileError(str(error)) from error
+    try:
         cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
                                     device="meta", num_pages=1, block_tokens=sched.block_tokens,
-                                    kv_cache_dtype=config.memory.kv_cache_dtype)
+                                    kv_cache_dtype=config.memory.kv_cache_dtype, host_tier=host_tier_spec(config))
     except ValueError as error:
         raise ConfigFileError(f"memory.kv_cache_dtype: {error}") from error
-    return cache.page_bytes(), cache.slot_bytes()
+    return cache.page_bytes(), cache.slot_bytes(), cache.host_tier_page_bytes()
+
+
+def host_tier_spec(config: ServeConfig) -> HostTierSpec | None:
+    memory = config.memory
+    return HostTierSpec(memory.kv_hot_tokens, config.scheduler.max_num_seqs) if memory.kv_host_tier else None
 
 
 def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigPlan:
@@ -185,7 +196,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     except ConfigError as exc:
         raise ConfigFileError(str(exc)) from None
     max_len = max_model_len(config, model_config)
-    page_bytes, slot_state = cache_bytes(model_config, config, dtype, max_len)
+    page_bytes, slot_state, host_tier_page_bytes = cache_bytes(model_config, config, dtype, max_len)
     activations, logits = workspace_estimate(model_config, config)
     engram = engram_plan(model_config, config, device, ranks)
     budget, host_budget = budgets(config, device, ranks)
@@ -199,6 +210,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
             device=device, budget=budget, weights=fixed, workspace=activations + logits, slot_state=slot_state,
             page_bytes=page_bytes, block_tokens=config.scheduler.block_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_len, pinned_pages=config.memory.num_kv_pages,
+            host_tier_page_bytes=host_tier_page_bytes, host_budget=host_budget - (engram.host_bytes if engram else 0),
         )
     except MemoryPlanError as exc:
         raise PlanRefused(f"{name}: {exc}") from None
@@ -259,6 +271,15 @@ def _without(config: ServeConfig, config_path: Path, model_json: Path, unplannab
     return f"{asked}; without it the rig fits (set it to none)"
 
 
+def _host_tier_lines(kv: MemoryPlan) -> list[str]:
+    """The KV host tier's share of each page (memory.kv_host_tier), when there is one."""
+    if not kv.host_tier_page_bytes:
+        return []
+    where = "in host RAM" if kv.device == "cuda" else "of the KV above (on the CPU both tiers are host RAM)"
+    return [(f"  KV host tier          {_gib(kv.num_pages * kv.host_tier_page_bytes)}   {kv.host_tier_page_bytes:,} B per page"
+             f" ({kv.host_tier_page_bytes / kv.block_tokens:,.0f} B per token) {where}")]
+
+
 def _size(n: int) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1."""
     for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
@@ -298,6 +319,7 @@ def describe(plan: RigPlan) -> str:
         f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot",
         (f"  KV                    {_gib(kv.kv_bytes)}   {kv.num_pages:,} pages x {kv.page_bytes:,} B"
          f" = {kv.num_pages * kv.block_tokens:,} tokens ({kv.page_bytes / kv.block_tokens:,.0f} B per token)"),
+        *_host_tier_lines(kv),
         f"  sequences             {_sequences(plan)}",
         f"  free                  {_gib(kv.budget_bytes - used)}",
     ]

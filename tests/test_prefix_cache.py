@@ -38,12 +38,13 @@ class Outputs:
 
 def make_engine(model, *, snapshots: int = 16, deterministic: bool = True, num_pages: int | None = None,
                 max_num_seqs: int = 4, budget: int = 64, device: str = "cpu",
-                kv_cache_dtype: str = "auto") -> tuple[EngineCore, Outputs]:
+                kv_cache_dtype: str = "auto", kv_hot_tokens: int | None = None) -> tuple[EngineCore, Outputs]:
     config = model.config
     limits = SchedulerLimits(max_num_seqs, budget, MAX_LEN, config.vocab_size, config.eos_token_ids,
                              num_pages=num_pages, block_tokens=BLOCK, prefix_snapshots=snapshots)
     runner = ModelRunner(model, max_num_seqs, MAX_LEN, device=device, num_pages=limits.total_pages, block_tokens=BLOCK,
-                         deterministic=deterministic, snapshot_slots=snapshots, kv_cache_dtype=kv_cache_dtype)
+                         deterministic=deterministic, snapshot_slots=snapshots, kv_cache_dtype=kv_cache_dtype,
+                         kv_hot_tokens=kv_hot_tokens)
     outputs = Outputs()
     return EngineCore(Scheduler(limits), runner, outputs), outputs
 

@@ -20,7 +20,7 @@ from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity
 from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
 from scheduler.admission import MemoryPlan, plan_pages
-from worker.memory_plan import budget_bytes, model_bytes, profile_pages, profile_workspace
+from worker.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool
 
@@ -107,10 +107,19 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
 
 
 def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """fp4 is lossless for V4.1 (it rounds its cache to FP4 itself); for V4 it is an opt-in that rounds."""
+    """fp4 is lossless for V4.1 (it rounds its cache to FP4 itself); for V4 it is an opt-in that rounds.
+    The host tier keeps V4.1's packed entries only."""
+    if config.memory.kv_host_tier and (config.memory.kv_cache_dtype != "fp4" or not model_config.is_v41):
+        raise EngineConfigError("memory.kv_host_tier holds V4.1's packed compressed entries: it needs a V4.1 model"
+                                " and memory.kv_cache_dtype fp4")
     if config.memory.kv_cache_dtype == "fp4" and not model_config.is_v41:
         log.warning("memory.kv_cache_dtype fp4 on a V4 model rounds its compressed KV and index keys to FP4: "
                     "logits move (lossy; tests/test_packed_kv.py measures how far)")
+
+
+def hot_tokens(config: "ServeConfig") -> int | None:
+    """The runner's `kv_hot_tokens`: None without the KV host tier."""
+    return config.memory.kv_hot_tokens if config.memory.kv_host_tier else None
 
 
 def build_runner(
@@ -148,7 +157,7 @@ def build_runner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
-        kv_cache_dtype=config.memory.kv_cache_dtype,
+        kv_cache_dtype=config.memory.kv_cache_dtype, kv_hot_tokens=hot_tokens(config),
     )
     return runner, memory_plan
 
@@ -163,7 +172,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
-        kv_cache_dtype=config.memory.kv_cache_dtype,
+        kv_cache_dtype=config.memory.kv_cache_dtype, kv_hot_tokens=hot_tokens(config),
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets
@@ -172,6 +181,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         if buffer is not None:
             workspace += buffer.numel() * buffer.element_size()
     page_bytes, slot_state = probe.cache.page_bytes(), probe.cache.slot_bytes()
+    host_tier_page_bytes = probe.cache.host_tier_page_bytes()
     del probe
     return plan_pages(
         device=device,
@@ -184,4 +194,6 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         max_num_seqs=sched.max_num_seqs,
         max_model_len=max_len,
         pinned_pages=config.memory.num_kv_pages,
+        host_tier_page_bytes=host_tier_page_bytes,
+        host_budget=int(config.memory.host_memory_gb * GiB),
     )

@@ -14,6 +14,7 @@ import torch
 from kernels.batch_invariant import BatchInvariantMode
 from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
+from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
 from scheduler.plan import ChunkResult, StepPlan, StepResult
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
@@ -37,6 +38,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         cuda_graphs: bool = False,
         kv_cache_dtype: str = "auto",
+        kv_hot_tokens: int | None = None,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
@@ -47,7 +49,8 @@ class ModelRunner:
         decode path (V4, V4.1), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
         then has one more slot and page (scratch). `kv_cache_dtype`: "fp4" packs V4.1's paged entries
-        (models/packed_pages.py)."""
+        (models/packed_pages.py). `kv_hot_tokens`: those entries live in a host tier, with each running
+        sequence's last `kv_hot_tokens` tokens' pages in a GPU ring (models/host_tier.py)."""
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
@@ -59,6 +62,7 @@ class ModelRunner:
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
             num_pages=None if num_pages is None else num_pages + scratch, block_tokens=block_tokens,
             kv_cache_dtype=kv_cache_dtype,
+            host_tier=None if kv_hot_tokens is None else HostTierSpec(kv_hot_tokens, num_slots),
         )
         self.device = device
         self.graphs: DecodeGraphs | None = None
@@ -83,6 +87,7 @@ class ModelRunner:
         chunk_logits: dict[str, torch.Tensor] = {}
         failed_chunks: dict[str, str] = {}
         if computed:
+            self.cache.hold_hot([(c.pages, c.position + len(c.token_ids)) for c in computed])
             rows = self._graph_rows(computed)
             if rows is not None:
                 self._replay(rows, computed, logit_rows, chunk_logits, failed_chunks)
