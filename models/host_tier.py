@@ -93,6 +93,7 @@ class HotRing:
         self.held: OrderedDict[int, int] = OrderedDict()  # page -> ring page, least recently wanted first
         self.stores: list[TieredPages] = []
         self.filled_pages = 0  # pages copied host -> ring so far
+        self._last: list[int] = []  # the last step's wanted pages: most steps want the same again
 
     def wanted(self, pages: list[int] | tuple[int, ...], end_position: int) -> list[int]:
         """The pages of one sequence's block table that must be hot for a step ending at `end_position`:
@@ -102,9 +103,12 @@ class HotRing:
 
     def hold(self, pages: list[int]) -> None:
         """Makes `pages` hot (copying the ones that were not from the host tier); evicts others."""
+        if pages == self._last:
+            return
         wanted = list(dict.fromkeys(pages))
         if len(wanted) > self.ring_pages:
             raise ValueError(f"{len(wanted)} hot pages asked for, the ring holds {self.ring_pages}")
+        self._last = list(pages)
         for page in wanted:
             if page in self.held:
                 self.held.move_to_end(page)

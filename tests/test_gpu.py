@@ -307,13 +307,17 @@ def test_indexer_scores_kernel_compiled_equals_the_reference(store_dtype):
 
 
 def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
-    """V4.1 in bf16 with its simulated quantization, decode steps replaying graphs: packed FP4 pages
-    give bitwise the logits of the plain cache (prompts prefilled eagerly on both)."""
+    """V4.1 in bf16 with its simulated quantization, decode steps replaying graphs: packed FP4 pages,
+    on the device or in the host tier (pinned host memory the gathers read in place, a ring of 16
+    tokens per sequence, contexts to 81), give bitwise the logits of the plain cache (prompts
+    prefilled eagerly on all three)."""
     from bench.decode import pages_holding
     from worker.cuda_graphs import DecodeRow
 
     model = load_model(checkpoints["v41"], dtype=torch.bfloat16, device="cuda")
-    runners = [ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True, kv_cache_dtype=kind) for kind in ("auto", "fp4")]
+    runners = [ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True, kv_cache_dtype=kind, kv_hot_tokens=hot)
+               for kind, hot in (("auto", None), ("fp4", None), ("fp4", 16))]
+    assert runners[2].cache.hot.stores[0].host.codes.is_cuda  # the host tier, seen from the device
     positions = [7, 30, 61]
     for runner in runners:
         for slot, n in enumerate(positions):
@@ -323,9 +327,23 @@ def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
         logits = []
         for runner in runners:
             rows = [DecodeRow(s, tokens[s], positions[s], pages_holding(runner, s, positions[s] + 1)) for s in range(3)]
+            runner.cache.hold_hot([(row.pages, row.position + 1) for row in rows])
             logits.append(runner.graphs.run(rows).clone())
-        assert torch.equal(*logits), f"step {step}"
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2]), f"step {step}"
         positions = [p + 1 for p in positions]
+    assert runners[2].cache.hot.filled_pages > 0
+
+
+def test_tiered_pages_on_cuda_read_host_memory_bitwise():
+    from models.host_tier import shared_host_bytes
+    from tests.test_host_tier import check_tiered_pages
+
+    allocated = torch.cuda.memory_allocated()
+    memory = shared_host_bytes(64 << 20, "cuda")
+    assert memory.is_cuda and torch.cuda.memory_allocated() == allocated  # no device memory behind it
+    memory[5:7] = 3  # a kernel writes the host mapping in place
+    assert memory[:8].tolist() == [0, 0, 0, 0, 0, 3, 3, 0]
+    check_tiered_pages("cuda")
 
 
 def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():

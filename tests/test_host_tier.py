@@ -23,27 +23,32 @@ def test_shared_host_bytes_are_a_zeroed_shared_mapping():
 
 
 def test_tiered_pages_read_what_packed_pages_read_whatever_is_hot():
+    check_tiered_pages("cpu")
+
+
+def check_tiered_pages(device: str) -> None:
     """Same writes into a device PackedPages and a tiered store under a changing hot set: every read of
     every entry is bitwise the same, and a cold page's bytes come from the host tier only."""
-    generator = torch.Generator().manual_seed(0)
-    plain = PackedPages.allocate(8, 4, 32, "e4m3", torch.float32, "cpu")
-    hot = HotRing(num_pages=8, ring_pages=2, hot_pages=2, block_tokens=4, device="cpu")
-    tiered = TieredPages.allocate(hot, 8, 4, 32, "e4m3", torch.float32, "cpu")
-    every_page = torch.arange(8)[:, None].expand(8, 4)
-    every_index = torch.arange(4)[None, :].expand(8, 4)
+    generator = torch.Generator(device).manual_seed(0)
+    plain = PackedPages.allocate(8, 4, 32, "e4m3", torch.float32, device)
+    hot = HotRing(num_pages=8, ring_pages=2, hot_pages=2, block_tokens=4, device=device)
+    tiered = TieredPages.allocate(hot, 8, 4, 32, "e4m3", torch.float32, device)
+    every_page = torch.arange(8, device=device)[:, None].expand(8, 4)
+    every_index = torch.arange(4, device=device)[None, :].expand(8, 4)
     for step, wanted in enumerate([[0, 1], [1, 2], [5, 3], [6], [0, 7], [7, 6]]):
         hot.hold(wanted)
         assert sorted(hot.held) == sorted(set(wanted) | (set(hot.held) - set(wanted)))
         assert all(int(hot.location[p]) >= 0 for p in wanted) and len(hot.held) <= 2
-        page = torch.randint(0, 8, (6,), generator=generator)
-        index = torch.randint(0, 4, (6,), generator=generator)
+        page = torch.randint(0, 8, (6,), generator=generator, device=device)
+        index = torch.randint(0, 4, (6,), generator=generator, device=device)
         page[0] = wanted[0]  # one write into a hot page every step
-        values = torch.randn(6, 32, generator=generator)
-        where = torch.rand(6, generator=generator) > 0.3
+        values = torch.randn(6, 32, generator=generator, device=device)
+        where = torch.rand(6, generator=generator, device=device) > 0.3
         for store in (plain, tiered):
             store.put(page, index, values, where if step % 2 else None)
         assert torch.equal(tiered.at(every_page, every_index), plain.at(every_page, every_index))
-        assert torch.equal(tiered.pages(torch.tensor([[wanted[0], 4]])), plain.pages(torch.tensor([[wanted[0], 4]])))
+        tables = torch.tensor([[wanted[0], 4]], device=device)
+        assert torch.equal(tiered.pages(tables), plain.pages(tables))
     cold = next(p for p in range(8) if p not in hot.held)
     tiered.host.codes[cold] ^= 0xFF  # the only copy of a cold page: its reads change
     assert not torch.equal(tiered.at(every_page[cold], every_index[cold]), plain.at(every_page[cold], every_index[cold]))
