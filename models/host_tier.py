@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.packed_pages import PACKERS, PackedPages
+from models.packed_pages import PACKERS, PackedPages, gather_rows
 
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -191,8 +191,8 @@ class TieredPages:
         """Entries at (page, index) pairs -> [*shape, dim]: one gather from each tier, one unpack."""
         hot, ring_page, host_page = self._where(page)
         hot = hot.expand(torch.broadcast_shapes(page.shape, index.shape))[..., None]
-        codes = torch.where(hot, self.ring.codes[ring_page, index], self.host.codes[host_page, index])
-        scales = torch.where(hot, self.ring.scales[ring_page, index], self.host.scales[host_page, index])
+        codes = torch.where(hot, gather_rows(self.ring.codes, ring_page, index), gather_rows(self.host.codes, host_page, index))
+        scales = torch.where(hot, gather_rows(self.ring.scales, ring_page, index), gather_rows(self.host.scales, host_page, index))
         return self.host.unpack(codes, scales)
 
     def pages(self, tables: torch.Tensor) -> torch.Tensor:

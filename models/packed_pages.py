@@ -24,6 +24,17 @@ from kernels.kv_pack import PackedFP4, pack_fp4_e4m3, pack_fp4_ue8m0, unpack_fp4
 PACKERS = {"e4m3": (pack_fp4_e4m3, 16), "ue8m0": (pack_fp4_ue8m0, 32)}
 
 
+def gather_rows(data: torch.Tensor, page: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """data[page, index] for a uint8 [pages, per_page, n] tensor, moved as the widest words that divide
+    a row (an entry's 256 code bytes as 32 int64): 8x fewer elements to gather, and over PCIe (the host
+    tier's reads) far fewer, wider requests. Bitwise the byte gather."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if data.shape[-1] % size == 0 and data.storage_offset() % size == 0 and data.data_ptr() % size == 0:
+            return data.view(word)[page, index].view(torch.uint8)
+    return data[page, index]
+
+
 @dataclass
 class PackedPages:
     codes: torch.Tensor  # uint8 [pages, per_page, dim / 2], two E2M1 codes a byte
@@ -56,7 +67,7 @@ class PackedPages:
 
     def at(self, page: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Entries at (page, index) pairs of any matching shapes -> [*shape, dim]."""
-        return self.unpack(self.codes[page, index], self.scales[page, index])
+        return self.unpack(gather_rows(self.codes, page, index), gather_rows(self.scales, page, index))
 
     def pages(self, tables: torch.Tensor) -> torch.Tensor:
         """Whole pages: tables [...] -> [..., per_page, dim]."""

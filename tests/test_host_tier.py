@@ -39,9 +39,10 @@ def check_tiered_pages(device: str) -> None:
         hot.hold(wanted)
         assert sorted(hot.held) == sorted(set(wanted) | (set(hot.held) - set(wanted)))
         assert all(int(hot.location[p]) >= 0 for p in wanted) and len(hot.held) <= 2
-        page = torch.randint(0, 8, (6,), generator=generator, device=device)
-        index = torch.randint(0, 4, (6,), generator=generator, device=device)
-        page[0] = wanted[0]  # one write into a hot page every step
+        written = wanted[0] * 4 + step % 4  # one write into a hot page every step
+        others = [e for e in torch.randperm(32, generator=generator, device=device).tolist() if e != written]
+        entries = torch.tensor([written] + others[:5], device=device)  # distinct: no write races another
+        page, index = entries // 4, entries % 4
         values = torch.randn(6, 32, generator=generator, device=device)
         where = torch.rand(6, generator=generator, device=device) > 0.3
         for store in (plain, tiered):
