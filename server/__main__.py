@@ -35,11 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info")
     for flag in FLAG_KEYS:
         name = "--" + flag.replace("_", "-")
-        if flag in ("deterministic", "enforce_eager"):
+        if flag in ("deterministic", "enforce_eager", "kv_host_tier"):
             parser.add_argument(name, action="store_const", const=True, default=None)
         elif flag == "enable_prefix_caching":
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)
-        elif flag in ("port", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        elif flag in ("port", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                      "kv_hot_tokens"):
             parser.add_argument(name, type=int)
         elif flag == "gpu_memory_utilization":
             parser.add_argument(name, type=float)

@@ -1,5 +1,6 @@
 """The golden V4.1 checkpoint served over HTTP (`--model`): greedy token ids equal the reference's and
-echoed prompt logprobs are the golden logits' (median deviation <= 1e-3, 95th percentile <= 1e-2)."""
+echoed prompt logprobs are the golden logits' (median deviation <= 1e-3, 95th percentile <= 1e-2);
+also with its compressed KV packed to FP4 in the host tier behind a one-page (16-token) GPU ring."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from tests.test_v41_golden import GOLDEN, SEQUENCES
 pytestmark = pytest.mark.skipif(not GOLDEN.exists(), reason=f"golden data folder {GOLDEN} is absent")
 
 
-@pytest.fixture(scope="module")
-def client():
-    with running_server(GOLDEN, "golden-v41", "--max-model-len", "256") as base:
+HOST_TIER = ("--kv-cache-dtype", "fp4", "--kv-host-tier", "--kv-hot-tokens", "16", "--block-size", "16")
+
+
+@pytest.fixture(scope="module", params=["plain", "host-tier"])
+def client(request):
+    extra = HOST_TIER if request.param == "host-tier" else ()
+    with running_server(GOLDEN, "golden-v41", "--max-model-len", "256", *extra) as base:
         yield openai.OpenAI(base_url=base + "/v1", api_key="unused")
 
 
