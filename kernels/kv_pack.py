@@ -121,10 +121,12 @@ if triton is not None:
     def _e4m3_scale(bits):
         """float8_e4m3fn bits (sign 0: scales are positive; 4 exponent bits, bias 7; 3 mantissa bits) as a
         float32 built from its bit pattern: `tl.exp2` compiles to an approximate instruction on the GPU,
-        which does not give exact powers of two. Exponent 0 is subnormal: mantissa x 2 ** -9."""
-        exponent, mantissa = bits >> 3, bits & 7
+        which does not give exact powers of two. Exponent 0 is subnormal: mantissa x 2 ** -9; 0x7F is NaN
+        (torch's cast gives it to a block whose amax / 6 passes 448, and the reference decodes it so)."""
+        exponent, mantissa = (bits >> 3) & 15, bits & 7
         normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-        return tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)  # e4m3fn's only NaN: a scale past 448
 
     @triton.jit
     def _ue8m0_scale(bits):

@@ -135,14 +135,20 @@ def test_indexer_scores_kernel_equals_the_reference():
 
 
 def check_unpack_fp4(rows: int, dim: int, seed: int, device: str = DEVICE) -> None:
-    """Both scale formats, values over many binades (e4m3 subnormal scales included), float32 and bf16."""
+    """Both scale formats, values over many binades (e4m3 subnormal scales included, and e4m3's NaN
+    byte 0x7F, which torch's CUDA cast gives a scale past 448; the CPU cast saturates), float32 and bf16."""
     from kernels.kv_pack import pack_fp4_e4m3, pack_fp4_ue8m0, unpack_fp4_reference, unpack_fp4_triton
 
     generator = torch.Generator(device).manual_seed(seed)
     x = torch.randn(rows, dim, generator=generator, device=device) * torch.logspace(-6, 3, rows, device=device)[:, None]
-    for packed in (pack_fp4_e4m3(x), pack_fp4_ue8m0(x)):
+    e4m3 = pack_fp4_e4m3(x)
+    e4m3.scales[-1, 0] = 0x7F
+    for packed in (e4m3, pack_fp4_ue8m0(x)):
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(unpack_fp4_triton(packed, dtype), unpack_fp4_reference(packed, dtype))
+            kernel, reference = unpack_fp4_triton(packed, dtype), unpack_fp4_reference(packed, dtype)
+            assert torch.equal(kernel.isnan(), reference.isnan())
+            assert torch.equal(kernel.nan_to_num(), reference.nan_to_num())
+            assert reference.isnan().any() == (packed.scale_format == "e4m3")
 
 
 def test_unpack_fp4_kernel_is_bitwise_the_reference():
