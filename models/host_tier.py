@@ -16,57 +16,22 @@ so any hot set gives bitwise the same reads. On the CPU both tiers are host memo
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from kernels.host_memory import mapped_host_bytes
 from models.packed_pages import PACKERS, PackedPages, gather_rows
-
-CUDA_HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
-
-
-class _MappedHostMemory:
-    """Registered host memory seen as device memory (UVA: the device address is the host address);
-    torch.as_tensor reads `__cuda_array_interface__` and keeps this object (and the mapping) alive."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
-        self.__cuda_array_interface__ = {
-            "shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False), "version": 3,
-        }
-
-
-def shared_host_bytes(nbytes: int, device: torch.device | str) -> torch.Tensor:
-    """uint8 [nbytes] in a shared-memory mapping (memfd), zeroed. On a CUDA `device` the pages are
-    pinned and the returned tensor is a device tensor over that host memory: kernels read and write it
-    directly. Elsewhere it is the host tensor itself."""
-    fd = os.memfd_create("ds4serve-kv-host-tier", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, max(nbytes, 1))
-        mapping = mmap.mmap(fd, max(nbytes, 1))
-    finally:
-        os.close(fd)
-    host = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host
-    with torch.cuda.device(device):
-        error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-    if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte KV host tier failed ({error}): lower "
-                           "memory.host_memory_gb or the locked-memory limit (ulimit -l)")
-    return torch.as_tensor(_MappedHostMemory(host), device=device)
 
 
 def host_packed_pages(pages: int, per_page: int, dim: int, scale_format: str, dtype: torch.dtype,
                       device: torch.device | str) -> PackedPages:
-    """PackedPages whose code and scale bytes live in one shared host mapping (see shared_host_bytes)."""
+    """PackedPages whose code and scale bytes live in one shared host mapping, seen from `device`
+    (kernels/host_memory.py)."""
     block = PACKERS[scale_format][1]
     code_bytes, scale_bytes = pages * per_page * dim // 2, pages * per_page * dim // block
-    memory = shared_host_bytes(code_bytes + scale_bytes, device)
+    memory = mapped_host_bytes(code_bytes + scale_bytes, device).device
     codes = memory[:code_bytes].view(pages, per_page, dim // 2)
     scales = memory[code_bytes:].view(pages, per_page, dim // block)
     return PackedPages(codes, scales, scale_format, dtype)

@@ -335,14 +335,18 @@ def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
 
 
 def test_tiered_pages_on_cuda_read_host_memory_bitwise():
-    from models.host_tier import shared_host_bytes
+    from kernels.host_memory import mapped_host_bytes
     from tests.test_host_tier import check_tiered_pages
 
     allocated = torch.cuda.memory_allocated()
-    memory = shared_host_bytes(64 << 20, "cuda")
+    bytes_ = mapped_host_bytes(64 << 20, "cuda")
+    memory = bytes_.device
     assert memory.is_cuda and torch.cuda.memory_allocated() == allocated  # no device memory behind it
     memory[5:7] = 3  # a kernel writes the host mapping in place
-    assert memory[:8].tolist() == [0, 0, 0, 0, 0, 3, 3, 0]
+    torch.cuda.synchronize()
+    assert bytes_.host[:8].tolist() == [0, 0, 0, 0, 0, 3, 3, 0]  # the CPU sees it in the same bytes
+    bytes_.host[9] = 4
+    assert int(memory[9]) == 4
     check_tiered_pages("cuda")
 
 

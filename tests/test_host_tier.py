@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from models import DecodeBatch, ForwardBatch, ModelCache, load_model
-from models.host_tier import HostTierSpec, HotRing, TieredPages, shared_host_bytes
+from kernels.host_memory import mapped_host_bytes
+from models.host_tier import HostTierSpec, HotRing, TieredPages
 from models.packed_pages import PackedPages
 from tests.conftest import random_tokens
 
 BLOCK = 16
 
 
-def test_shared_host_bytes_are_a_zeroed_shared_mapping():
-    memory = shared_host_bytes(1000, "cpu")
-    assert memory.shape == (1000,) and memory.dtype == torch.uint8 and not memory.any()
-    memory[7] = 9
-    assert int(memory[7]) == 9
+def test_mapped_host_bytes_are_a_zeroed_shared_mapping():
+    memory = mapped_host_bytes(1000, "cpu")
+    assert memory.host.shape == (1000,) and memory.host.dtype == torch.uint8 and not memory.host.any()
+    assert memory.device is memory.host  # off CUDA the host bytes are the compute device's
+    memory.host[7] = 9
+    assert int(memory.host[7]) == 9
 
 
 def test_tiered_pages_read_what_packed_pages_read_whatever_is_hot():
