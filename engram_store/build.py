@@ -80,7 +80,8 @@ def build_store(
             _check_layout(header, rows, primes[index], head_dim, table_file(directory, layer))
             scales = _resident_scales(header, table_file(directory, layer)) if options.resident_scales else None
             device_cache = RowCache(min(device_rows, header.rows), header.row_bytes, device) if device_rows else None
-            host_cache = RowCache(min(host_rows, header.rows), header.row_bytes)
+            host_cache = RowCache(min(host_rows, header.rows), header.row_bytes,
+                                  compute_device=device if torch.device(device).type == "cuda" else None)
             layers.append(DiskLayer(header, disk_layers.index(layer), host_cache, device_cache, scales, device))
         else:
             values, scales = read_table(layer, head_dim)

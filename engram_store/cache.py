@@ -5,7 +5,9 @@ lets a burst of one-off tail rows flush the head; segmented LRU (SLRU) admits ne
 probation segment and promotes them to the protected segment (80% of the slots) only on a second hit,
 so one-off rows evict each other instead of the head. bench/engram.py measures the hit rate on a
 Zipf trace. The storage is one preallocated tensor (host RAM or device memory): the cache never
-allocates after construction.
+allocates after construction. A host cache serving a GPU keeps its rows in pinned, mapped memory
+(kernels/host_memory.py): the I/O thread writes them with memory copies, the model's step gathers
+the hits on the GPU straight from it (`view`), so a hit costs no host gather, staging or transfer.
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from kernels.host_memory import mapped_host_bytes
+
 PROTECTED_SHARE = 0.8
 
 
 class RowCache:
-    def __init__(self, capacity_rows: int, row_bytes: int, device: str = "cpu") -> None:
+    def __init__(self, capacity_rows: int, row_bytes: int, device: str = "cpu", compute_device: str | None = None) -> None:
+        """`device`: where the rows live; `compute_device`: where steps read them (a CUDA device for a
+        host cache: the storage is then mapped host memory, `view` its device tensor)."""
         self.capacity = max(0, capacity_rows)
-        self.storage = torch.zeros(self.capacity, row_bytes, dtype=torch.uint8, device=device)
+        if torch.device(device).type == "cpu" and compute_device is not None:
+            memory = mapped_host_bytes(self.capacity * row_bytes, compute_device)
+            self.storage = memory.host.view(self.capacity, row_bytes)
+            self.view = memory.device.view(self.capacity, row_bytes)
+        else:
+            self.storage = torch.zeros(self.capacity, row_bytes, dtype=torch.uint8, device=device)
+            self.view = self.storage
         self.probation: OrderedDict[int, int] = OrderedDict()  # row -> slot, oldest first
         self.protected: OrderedDict[int, int] = OrderedDict()
         self.free_slots = list(range(self.capacity - 1, -1, -1))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from engram_store.format import PAGE, TRAILER, TableFormatError, TableHeader, check_page, seal_page
+from engram_store.format import PAGE, TableFormatError, TableHeader, check_page, seal_page
 
 ROWS_PER_BLOCK = 1 << 16
 

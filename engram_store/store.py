@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engram_store.cache import RowCache
-from engram_store.format import PAGE, TableHeader, check_page
+from engram_store.format import TableHeader, check_page
 from engram_store.uring import UringPageReader
 from kernels import gather_engram_rows
 from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
@@ -96,11 +96,13 @@ class DiskLayer:
         self.host_cache, self.device_cache = host_cache, device_cache
         self.lock = threading.Lock()  # the caches are shared by the model's thread and the I/O thread
         self.resident_scales = resident_scales  # [rows, scale bytes] when the file keeps scales apart
+        self.reads_done: torch.cuda.Event | None = None  # the last step's cache gathers (see _gathered)
 
     def cached(self, rows: np.ndarray, stats: StoreStats) -> tuple[torch.Tensor, np.ndarray]:
-        """Raw bytes [len(rows), row_bytes] of the distinct `rows` the caches hold, and the mask of the
-        ones they do not. Cheap: the model's thread calls it, so cache hits never wait on the I/O thread."""
-        raw = torch.zeros(len(rows), self.header.row_bytes, dtype=torch.uint8)
+        """Raw bytes [len(rows), row_bytes] on the compute device of the distinct `rows` the caches hold
+        (gathered there from each cache's storage), and the mask of the ones they do not. Cheap: the
+        model's thread calls it, so cache hits never wait on the I/O thread."""
+        raw = torch.zeros(len(rows), self.header.row_bytes, dtype=torch.uint8, device=self.device)
         missing = np.ones(len(rows), dtype=bool)
         with self.lock:
             for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
@@ -108,10 +110,20 @@ class DiskLayer:
                     continue
                 wanted = np.flatnonzero(missing)
                 hit, slots = cache.lookup(rows[wanted])
-                raw[wanted[hit]] = cache.storage[torch.from_numpy(slots)].cpu()
+                if hit.any():
+                    target = torch.from_numpy(wanted[hit]).to(self.device)
+                    raw[target] = cache.view[torch.from_numpy(slots).to(cache.view.device)].to(self.device)
                 missing[wanted[hit]] = False
                 setattr(stats, counter, getattr(stats, counter) + int(hit.sum()))
+            self._gathered()
         return raw, missing
+
+    def _gathered(self) -> None:
+        """After this step's gathers from the caches are queued: on a GPU, an event the I/O thread
+        waits for before it overwrites a cache slot (the kernels read the slots later than now)."""
+        if torch.device(self.device).type == "cuda":
+            self.reads_done = torch.cuda.Event()
+            self.reads_done.record()
 
     def read(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
         """Reads distinct `rows` from the file (on the I/O thread), caches the good ones, and says why
@@ -134,6 +146,8 @@ class DiskLayer:
         stats.bytes_read, stats.read_errors = reader.bytes_read, reader.errors
         if loaded:
             with self.lock:
+                if self.reads_done is not None:
+                    self.reads_done.synchronize()  # no slot a queued gather still reads is overwritten
                 self.host_cache.insert(rows[loaded].tolist(), raw[loaded])
                 if self.device_cache is not None:
                     self.device_cache.insert(rows[loaded].tolist(), raw[loaded].to(self.device_cache.storage.device))
@@ -145,7 +159,7 @@ class DiskLayer:
         values = raw[:, : h.value_bytes].contiguous()
         values = values.view({"float8_e4m3fn": torch.float8_e4m3fn, "bfloat16": torch.bfloat16,
                               "float32": torch.float32}[h.value_dtype]).float()
-        scale_bytes = raw[:, h.value_bytes :] if self.resident_scales is None else self.resident_scales[rows]
+        scale_bytes = raw[:, h.value_bytes :] if self.resident_scales is None else self.resident_scales[rows].to(raw.device)
         if h.scale_dtype == "e8m0":
             scales = torch.exp2(scale_bytes.float() - 127)
         else:
@@ -194,13 +208,13 @@ class EngramStore:
         started = time.perf_counter()
         if future is not None:
             read_raw, failed = future.result()
-            raw[torch.from_numpy(missing)] = read_raw
+            raw[torch.from_numpy(missing).to(raw.device)] = read_raw.to(raw.device)
         self.stats.record_wait(time.perf_counter() - started)
-        index = np.searchsorted(unique, ids.reshape(-1))
-        rows = layer.decode(raw[torch.from_numpy(index)], torch.from_numpy(ids.reshape(-1)))
+        index = torch.from_numpy(np.searchsorted(unique, ids.reshape(-1))).to(raw.device)
+        rows = layer.decode(raw[index], torch.from_numpy(ids.reshape(-1)))
         if failed:
             bad = np.isin(ids, np.fromiter(failed, dtype=np.int64))
-            rows[torch.from_numpy(bad.reshape(-1))] = 0.0  # never a wrong row: zeros, and the token fails
+            rows[torch.from_numpy(bad.reshape(-1)).to(rows.device)] = 0.0  # never a wrong row: zeros, and the token fails
             for token in np.flatnonzero(bad.any(axis=1)).tolist():
                 first = next(int(r) for r in ids[token] if int(r) in failed)
                 self._failed.setdefault(token, failed[first])

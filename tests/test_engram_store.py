@@ -4,8 +4,6 @@ requests that needed the bad rows, and the reaping path holds up under load."""
 from __future__ import annotations
 
 import os
-import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 import torch
 
 from engram_store.build import EngramConfigError
-from engram_store.convert import convert_checkpoint, read_header, table_file, verify_table
+from engram_store.convert import read_header, table_file, verify_table
 from engram_store.format import PAGE, TableHeader, check_page
 from engram_store.store import EngramOptions
 from engram_store.uring import UringPageReader
