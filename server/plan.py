@@ -210,7 +210,8 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
             device=device, budget=budget, weights=fixed, workspace=activations + logits, slot_state=slot_state,
             page_bytes=page_bytes, block_tokens=config.scheduler.block_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_len, pinned_pages=config.memory.num_kv_pages,
-            host_tier_page_bytes=host_tier_page_bytes, host_budget=host_budget - (engram.host_bytes if engram else 0),
+            host_tier_page_bytes=host_tier_page_bytes,
+            host_budget=(host_budget - (engram.host_bytes if engram else 0)) // ranks,  # each rank keeps its pages
         )
     except MemoryPlanError as exc:
         raise PlanRefused(f"{name}: {exc}") from None

@@ -195,5 +195,6 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         max_model_len=max_len,
         pinned_pages=config.memory.num_kv_pages,
         host_tier_page_bytes=host_tier_page_bytes,
-        host_budget=int(config.memory.host_memory_gb * GiB),
+        # every rank holds the same pages: the host tier's RAM is shared out among them
+        host_budget=int(config.memory.host_memory_gb * GiB) // config.parallel.tensor_parallel_size,
     )
