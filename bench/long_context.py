@@ -1,4 +1,4 @@
-"""Long-context decode with V4.1's packed KV in the host tier (`memory.kv_host_tier`): tokens/s at
+"""Long-context decode with V4.1's packed KV in the host tier (`offload.kv: host_packed`): tokens/s at
 32K and 128K context with and without the tier, bytes per token per tier, and the check that the tier
 changes nothing (JSON lines).
 

@@ -168,7 +168,7 @@ class ModelCache:
         if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
             raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
         if host_tier is not None and (kv_cache_dtype != "fp4" or not config.is_v41):
-            raise ValueError("the KV host tier (memory.kv_host_tier) holds V4.1's packed entries: it needs a V4.1"
+            raise ValueError("the KV host tier (offload.kv host_packed) holds V4.1's packed entries: it needs a V4.1"
                              " model and memory.kv_cache_dtype fp4")
         unit = page_granularity(config)
         block_tokens = block_tokens or unit

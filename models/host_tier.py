@@ -1,5 +1,5 @@
 """V4.1's packed compressed KV entries in host memory, with a GPU hot ring of recent pages
-(`memory.kv_host_tier: true`): 500K-token contexts on GPUs whose memory holds a fraction of them.
+(`offload.kv: host_packed`): 500K-token contexts on GPUs whose memory holds a fraction of them.
 
 Decode reads few compressed entries per step: each query attends the top-k entries its index source
 picked, not all of them. So the entries can live in host memory, and only the index keys (scored
@@ -39,7 +39,7 @@ def host_packed_pages(pages: int, per_page: int, dim: int, scale_format: str, dt
 
 @dataclass(frozen=True)
 class HostTierSpec:
-    """`memory.kv_host_tier` as the cache needs it."""
+    """`offload.kv: host_packed` as the cache needs it."""
 
     hot_tokens: int  # each sequence's most recent tokens whose entries stay on the GPU
     sequences: int  # sequences one step runs at most (the ring holds each one's hot pages)

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info")
     for flag in FLAG_KEYS:
         name = "--" + flag.replace("_", "-")
-        if flag in ("deterministic", "enforce_eager", "kv_host_tier"):
+        if flag in ("deterministic", "enforce_eager"):
             parser.add_argument(name, action="store_const", const=True, default=None)
         elif flag == "enable_prefix_caching":
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)

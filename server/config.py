@@ -78,11 +78,6 @@ class MemorySection(Section):
     # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. On V4, fp4 is an
     # opt-in that rounds the cache (lossy).
     kv_cache_dtype: Literal["auto", "fp4"] = "auto"
-    # true: V4.1's packed compressed entries (needs kv_cache_dtype fp4) live in pinned shared host memory
-    # (budgeted by host_memory_gb) and the GPU keeps each running sequence's last kv_hot_tokens tokens
-    # of them in a ring (models/host_tier.py); reads are bitwise the same, contexts far longer
-    kv_host_tier: bool = False
-    kv_hot_tokens: int = Field(default=32768, gt=0)
 
 
 class ParallelSection(Section):
@@ -117,11 +112,15 @@ class MetricsSection(Section):
 
 
 class OffloadSection(Section):
-    """What leaves the GPU for rigs whose GPUs cannot hold the model: neither is built yet, so `plan`
-    and serving refuse anything but none (server/features.py)."""
+    """What leaves the GPU for rigs whose GPUs cannot hold the model. Expert offload is not built yet,
+    so `plan` and serving refuse anything but none for it (server/features.py)."""
 
     experts: Literal["none", "host", "disk"] = "none"  # routed experts in host RAM / on NVMe, streamed per step
-    kv: Literal["none", "host_packed"] = "none"  # compressed KV packed FP4 in host RAM with a GPU hot ring
+    # host_packed: V4.1's compressed KV entries packed FP4 (as memory.kv_cache_dtype fp4) in pinned shared
+    # host memory, budgeted by memory.host_memory_gb; the GPU keeps the index keys and each running
+    # sequence's last kv_hot_tokens tokens of entries (models/host_tier.py). Reads are bitwise the same.
+    kv: Literal["none", "host_packed"] = "none"
+    kv_hot_tokens: int = Field(default=32768, gt=0)
 
 
 class ServeConfig(Section):
@@ -169,8 +168,8 @@ FLAG_KEYS = {
     "enable_prefix_caching": "scheduler.enable_prefix_caching",
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
     "kv_cache_dtype": "memory.kv_cache_dtype",
-    "kv_host_tier": "memory.kv_host_tier",
-    "kv_hot_tokens": "memory.kv_hot_tokens",
+    "kv_offload": "offload.kv",
+    "kv_hot_tokens": "offload.kv_hot_tokens",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "deterministic": "runtime.deterministic",
     "enforce_eager": "runtime.enforce_eager",

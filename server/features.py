@@ -36,7 +36,4 @@ def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     if config.offload.experts != "none":
         found.append(Unbuilt("offload.experts",
                              f"{config.offload.experts!r}: expert offload is not built yet (a later issue)", False))
-    if config.offload.kv != "none":
-        found.append(Unbuilt("offload.kv",
-                             f"{config.offload.kv!r}: packed host KV is not built yet (issue 10)", False))
     return found

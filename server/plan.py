@@ -41,7 +41,9 @@ from server.config import (
 )
 from server.features import Unbuilt, unbuilt_features
 from server.plan_weights import KINDS, WeightTensor, weight_tensors
-from worker.engine_factory import EngineConfigError, check_kv_cache_dtype, max_model_len, resolve_dtype
+from worker.engine_factory import (
+    EngineConfigError, cache_dtype, check_kv_cache_dtype, hot_tokens, max_model_len, resolve_dtype,
+)
 
 GiB = 2**30
 MODELS_DIR = REPO_ROOT / "configs" / "models"
@@ -173,15 +175,15 @@ def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dty
     try:
         cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
                                     device="meta", num_pages=1, block_tokens=sched.block_tokens,
-                                    kv_cache_dtype=config.memory.kv_cache_dtype, host_tier=host_tier_spec(config))
+                                    kv_cache_dtype=cache_dtype(config), host_tier=host_tier_spec(config))
     except ValueError as error:
         raise ConfigFileError(f"memory.kv_cache_dtype: {error}") from error
     return cache.page_bytes(), cache.slot_bytes(), cache.host_tier_page_bytes()
 
 
 def host_tier_spec(config: ServeConfig) -> HostTierSpec | None:
-    memory = config.memory
-    return HostTierSpec(memory.kv_hot_tokens, config.scheduler.max_num_seqs) if memory.kv_host_tier else None
+    tokens = hot_tokens(config)
+    return None if tokens is None else HostTierSpec(tokens, config.scheduler.max_num_seqs)
 
 
 def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigPlan:
@@ -273,7 +275,7 @@ def _without(config: ServeConfig, config_path: Path, model_json: Path, unplannab
 
 
 def _host_tier_lines(kv: MemoryPlan) -> list[str]:
-    """The KV host tier's share of each page (memory.kv_host_tier), when there is one."""
+    """The KV host tier's share of each page (offload.kv: host_packed), when there is one."""
     if not kv.host_tier_page_bytes:
         return []
     where = "in host RAM" if kv.device == "cuda" else "of the KV above (on the CPU both tiers are host RAM)"

@@ -1,4 +1,4 @@
-"""The KV host tier (`memory.kv_host_tier`): V4.1's packed compressed entries in shared host memory,
+"""The KV host tier (`offload.kv: host_packed`): V4.1's packed compressed entries in shared host memory,
 a GPU ring of each sequence's recent pages. Reads are bitwise those of packed pages on the device,
 whichever pages are hot, so logits equal the plain cache past the ring too."""
 
@@ -126,7 +126,7 @@ def test_host_tier_keeps_only_entries_in_host_memory(checkpoints):
 @pytest.mark.parametrize("kind", ["auto", "v4"])
 def test_host_tier_is_refused_without_packed_v41_pages(checkpoints, kind):
     model = load_model(checkpoints["v41" if kind == "auto" else "mixed"])
-    with pytest.raises(ValueError, match="memory.kv_host_tier"):
+    with pytest.raises(ValueError, match="offload.kv host_packed"):
         ModelCache.allocate(model.config, 2, 64, num_pages=8, block_tokens=BLOCK,
                             kv_cache_dtype="auto" if kind == "auto" else "fp4", host_tier=HostTierSpec(BLOCK, 2))
 
@@ -185,7 +185,7 @@ def test_rig_plan_shows_bytes_per_token_per_tier(capsys):
     args = ["--config", "configs/rtxpro6000x4.yaml", "--set", "memory.kv_cache_dtype=fp4"]
     status, packed, _ = plan_main(capsys, *args)
     assert status == 0
-    status, tiered, _ = plan_main(capsys, *args, "--set", "memory.kv_host_tier=true")
+    status, tiered, _ = plan_main(capsys, *args, "--set", "offload.kv=host_packed")
     assert status == 0
 
     def per_token(text: str, label: str) -> int:
@@ -194,5 +194,6 @@ def test_rig_plan_shows_bytes_per_token_per_tier(capsys):
 
     device, host = per_token(tiered, "KV  "), per_token(tiered, "KV host tier")
     assert "in host RAM" in tiered and device + host == per_token(packed, "KV  ") and host > 3 * device
-    status, _, error = plan_main(capsys, "--config", "configs/rtxpro6000x4.yaml", "--set", "memory.kv_host_tier=true")
-    assert status != 0 and "memory.kv_host_tier" in error and "kv_cache_dtype fp4" in error
+    status, _, error = plan_main(capsys, "--config", "configs/rtxpro6000x4.yaml", "--set", "offload.kv=host_packed",
+                                 "--set", "model.path=configs/models/DeepSeek-V4-Flash")
+    assert status != 0 and "offload.kv host_packed" in error and "deepseek_v4" in error

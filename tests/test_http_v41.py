@@ -17,7 +17,7 @@ from tests.test_v41_golden import GOLDEN, SEQUENCES
 pytestmark = pytest.mark.skipif(not GOLDEN.exists(), reason=f"golden data folder {GOLDEN} is absent")
 
 
-HOST_TIER = ("--kv-cache-dtype", "fp4", "--kv-host-tier", "--kv-hot-tokens", "16", "--block-size", "16")
+HOST_TIER = ("--kv-offload", "host_packed", "--kv-hot-tokens", "16", "--block-size", "16")
 
 
 @pytest.fixture(scope="module", params=["plain", "host-tier"])

@@ -109,17 +109,22 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
 def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> None:
     """fp4 is lossless for V4.1 (it rounds its cache to FP4 itself); for V4 it is an opt-in that rounds.
     The host tier keeps V4.1's packed entries only."""
-    if config.memory.kv_host_tier and (config.memory.kv_cache_dtype != "fp4" or not model_config.is_v41):
-        raise EngineConfigError("memory.kv_host_tier holds V4.1's packed compressed entries: it needs a V4.1 model"
-                                " and memory.kv_cache_dtype fp4")
-    if config.memory.kv_cache_dtype == "fp4" and not model_config.is_v41:
+    if config.offload.kv == "host_packed" and not model_config.is_v41:
+        raise EngineConfigError("offload.kv host_packed keeps V4.1's packed compressed KV entries in host RAM: this"
+                                f" model is {model_config.model_type}; use offload.kv none")
+    if cache_dtype(config) == "fp4" and not model_config.is_v41:
         log.warning("memory.kv_cache_dtype fp4 on a V4 model rounds its compressed KV and index keys to FP4: "
                     "logits move (lossy; tests/test_packed_kv.py measures how far)")
 
 
 def hot_tokens(config: "ServeConfig") -> int | None:
-    """The runner's `kv_hot_tokens`: None without the KV host tier."""
-    return config.memory.kv_hot_tokens if config.memory.kv_host_tier else None
+    """The runner's `kv_hot_tokens`: None without the KV host tier (offload.kv host_packed)."""
+    return config.offload.kv_hot_tokens if config.offload.kv == "host_packed" else None
+
+
+def cache_dtype(config: "ServeConfig") -> str:
+    """The runner's `kv_cache_dtype`: offload.kv host_packed packs the cache (as memory.kv_cache_dtype fp4)."""
+    return "fp4" if config.offload.kv == "host_packed" else config.memory.kv_cache_dtype
 
 
 def build_runner(
@@ -157,7 +162,7 @@ def build_runner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
-        kv_cache_dtype=config.memory.kv_cache_dtype, kv_hot_tokens=hot_tokens(config),
+        kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
     )
     return runner, memory_plan
 
@@ -172,7 +177,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
-        kv_cache_dtype=config.memory.kv_cache_dtype, kv_hot_tokens=hot_tokens(config),
+        kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets
