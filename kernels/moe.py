@@ -12,14 +12,22 @@ Two paths compute the same sum:
   captured. Each token's k products are summed in slot order (not by atomics), so it is deterministic.
 Experts outside this rank's run [first, first + held) contribute zero (tensor parallel: another rank
 holds them).
+
+Weights are bf16 / float matrices [E, rows, cols], or MXFP4 as released (`MXFP4Experts`: E2M1 codes
+two a byte and an E8M0 exponent per 32 inputs, `model.quantization: checkpoint`), which the pairwise
+kernels decode as they stream them (4.25 bits a weight read instead of 16) and the reference
+dequantizes expert by expert. Prefill-sized batches of MXFP4 experts take the reference loop.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.quant import E2M1_VALUES, dequantize_mxfp4
 
 try:
     import triton
@@ -34,7 +42,35 @@ PAIRWISE_MAX_PAIRS = 256
 # (output rows, input columns) per program step, from bench.kernels' sweep on the H200: within 5% of
 # the best shape at 1 token and the best at 32 (gate/up 0.214 / 2.099 ms, down 0.215 / 2.192 ms)
 GATE_UP_BLOCKS = (16, 128)
+# MXFP4 experts have no grouped GEMM here: the pairwise kernels run up to this many pairs (a decode
+# step of ~170 sequences at top-6), the per-expert dequantizing loop beyond (prefill chunks)
+MXFP4_PAIRWISE_MAX_PAIRS = 1024
 DOWN_BLOCKS = (32, 64)
+
+
+@dataclass(frozen=True)
+class MXFP4Experts:
+    """One projection of every held expert as released: codes uint8 [E, rows, cols / 2] (low nibble =
+    even column), scales uint8 E8M0 exponents [E, rows, cols / 32]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        held, rows, half = self.codes.shape
+        return torch.Size((held, rows, 2 * half))
+
+    def expert(self, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s matrix [rows, cols] in `dtype` (exact: an E2M1 value times a power of two)."""
+        return dequantize_mxfp4(self.codes[local], self.scales[local]).to(dtype)
+
+
+ExpertWeights = torch.Tensor | MXFP4Experts
+
+
+def _matrix(weights: ExpertWeights, local: int, dtype: torch.dtype) -> torch.Tensor:
+    return weights[local] if isinstance(weights, torch.Tensor) else weights.expert(local, dtype)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -57,7 +93,8 @@ def experts_reference(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     first: int, limit: float, weight_before_down: bool,
 ) -> torch.Tensor:
-    """x [T, D], weights / experts [T, k], gate_up [E, 2I, D], down [E, D, I] -> float32 [T, D]."""
+    """x [T, D], weights / experts [T, k], gate_up [E, 2I, D], down [E, D, I] (tensors or MXFP4) ->
+    float32 [T, D]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     held = gate_up.shape[0]
     for expert in torch.unique(experts).tolist():
@@ -66,12 +103,13 @@ def experts_reference(
             continue
         token_rows, slot = torch.where(experts == expert)
         weight = weights[token_rows, slot, None]
-        gate, up = F.linear(x[token_rows], gate_up[local]).chunk(2, dim=-1)
+        gate, up = F.linear(x[token_rows], _matrix(gate_up, local, x.dtype)).chunk(2, dim=-1)
         hidden = clamped_swiglu(gate.float(), up.float(), limit)
+        down_matrix = _matrix(down, local, x.dtype)
         if weight_before_down:
-            y = F.linear((hidden * weight).to(x.dtype), down[local]).float()
+            y = F.linear((hidden * weight).to(x.dtype), down_matrix).float()
         else:
-            y = F.linear(hidden.to(x.dtype), down[local]).float() * weight
+            y = F.linear(hidden.to(x.dtype), down_matrix).float() * weight
         out.index_add_(0, token_rows, y)
     return out
 
@@ -109,7 +147,7 @@ def experts_pairwise(
     gate_up_blocks: tuple[int, int] = GATE_UP_BLOCKS, down_blocks: tuple[int, int] = DOWN_BLOCKS,
 ) -> torch.Tensor:
     """Same contract as `experts_reference`, as Triton kernels (no host sync); float32 accumulation
-    without the reference's bf16 rounding of gate / up."""
+    without the reference's bf16 rounding of gate / up. MXFP4 weights are decoded in the kernels."""
     tokens, k = experts.shape
     held, double_inter, dim = gate_up.shape
     inter = double_inter // 2
@@ -120,17 +158,38 @@ def experts_pairwise(
     x = x.contiguous()
     hidden = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
     rows, columns = gate_up_blocks
+    packed = isinstance(gate_up, MXFP4Experts)
+    values, scales = _kernel_operands(gate_up)
     _gate_up_kernel[(tokens * k, triton.cdiv(inter, rows))](
-        x, expert_of, weight, gate_up, hidden, k, dim, inter, limit, weight_before_down,
-        BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
+        x, expert_of, weight, values, scales, _lut(x.device), hidden, k, dim, inter, limit, weight_before_down,
+        MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
     out = torch.empty(tokens * k, dim, dtype=torch.float32, device=x.device)
     rows, columns = down_blocks
+    values, scales = _kernel_operands(down)
     _down_kernel[(tokens * k, triton.cdiv(dim, rows))](
-        hidden, expert_of, weight, down, out, dim, inter, weight_before_down,
-        BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
+        hidden, expert_of, weight, values, scales, _lut(x.device), out, dim, inter, weight_before_down,
+        MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
     return out.view(tokens, k, dim).sum(dim=1)
+
+
+def _kernel_operands(weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values or codes, scales) as the kernels take them; plain weights pass themselves as the unused
+    scales argument."""
+    if isinstance(weights, MXFP4Experts):
+        return weights.codes, weights.scales
+    return weights, weights
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """The 16 E2M1 values on the device, copied once (a copy per call could not be captured)."""
+    if device not in _LUTS:
+        _LUTS[device] = E2M1_VALUES.to(device)
+    return _LUTS[device]
 
 
 def experts_on_device(
@@ -138,18 +197,38 @@ def experts_on_device(
     first: int, limit: float, weight_before_down: bool,
 ) -> torch.Tensor:
     """The GPU path: pairwise kernels for a few pairs (a decode step of a small batch), grouped GEMMs
-    otherwise."""
-    small = triton is not None and experts.numel() <= PAIRWISE_MAX_PAIRS
-    run = experts_pairwise if small else experts_grouped
+    otherwise. MXFP4 experts: pairwise up to MXFP4_PAIRWISE_MAX_PAIRS pairs and whenever a graph is
+    being captured (the loop syncs), else the reference loop, which dequantizes each chosen expert."""
+    if isinstance(gate_up, MXFP4Experts):
+        pairwise = experts.numel() <= MXFP4_PAIRWISE_MAX_PAIRS or torch.cuda.is_current_stream_capturing()
+        run = experts_pairwise if pairwise else experts_reference
+    else:
+        small = triton is not None and experts.numel() <= PAIRWISE_MAX_PAIRS
+        run = experts_pairwise if small else experts_grouped
     return run(x, weights, experts, gate_up, down, first, limit, weight_before_down)
 
 
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(values_ptr, scales_ptr, lut_ptr, rows, cols, n_cols, mask, MXFP4: tl.constexpr):
+        """Weights [len(rows), len(cols)] as float32 of a row-major matrix with `n_cols` columns (`rows`
+        counted from the stacked experts' first row): plain values, or MXFP4 codes (two a byte, low
+        nibble first) times their E8M0 scale, built from its bits (exponent 0: the subnormal 2 ** -127)."""
+        if MXFP4:
+            byte = tl.load(values_ptr + rows[:, None] * (n_cols // 2) + (cols // 2)[None, :], mask=mask, other=0)
+            code = (byte.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 15
+            value = tl.load(lut_ptr + code, mask=mask, other=0.0)
+            exponent = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + (cols // 32)[None, :], mask=mask,
+                               other=127).to(tl.int32)
+            scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
+            return value * scale
+        return tl.load(values_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gate_up_kernel(
-        x_ptr, expert_ptr, weight_ptr, gate_up_ptr, hidden_ptr, k, dim, inter, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, expert_ptr, weight_ptr, gate_up_ptr, scales_ptr, lut_ptr, hidden_ptr, k, dim, inter, limit,
+        WEIGHT_BEFORE_DOWN: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,16 +238,16 @@ if triton is not None:
         gate = tl.zeros([BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_N], dtype=tl.float32)
         if expert >= 0:
-            matrix = gate_up_ptr + expert * 2 * inter * dim
+            first = expert * 2 * inter  # the expert's first row among all experts' rows
             for start in range(0, dim, BLOCK_K):
                 cols = start + tl.arange(0, BLOCK_K)
                 in_cols = cols < dim
                 value = tl.load(x_ptr + token * dim + cols, mask=in_cols, other=0.0).to(tl.float32)
                 both = in_rows[:, None] & in_cols[None, :]
-                g = tl.load(matrix + rows[:, None] * dim + cols[None, :], mask=both, other=0.0)
-                u = tl.load(matrix + (inter + rows)[:, None] * dim + cols[None, :], mask=both, other=0.0)
-                gate += tl.sum(g.to(tl.float32) * value[None, :], axis=1)
-                up += tl.sum(u.to(tl.float32) * value[None, :], axis=1)
+                g = _weight_tile(gate_up_ptr, scales_ptr, lut_ptr, first + rows, cols, dim, both, MXFP4)
+                u = _weight_tile(gate_up_ptr, scales_ptr, lut_ptr, first + inter + rows, cols, dim, both, MXFP4)
+                gate += tl.sum(g * value[None, :], axis=1)
+                up += tl.sum(u * value[None, :], axis=1)
         gate = tl.minimum(gate, limit)
         hidden = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
         if WEIGHT_BEFORE_DOWN:
@@ -177,8 +256,8 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        hidden_ptr, expert_ptr, weight_ptr, down_ptr, out_ptr, dim, inter, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        hidden_ptr, expert_ptr, weight_ptr, down_ptr, scales_ptr, lut_ptr, out_ptr, dim, inter,
+        WEIGHT_BEFORE_DOWN: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,13 +265,14 @@ if triton is not None:
         expert = tl.load(expert_ptr + pair).to(tl.int64)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if expert >= 0:
-            matrix = down_ptr + expert * dim * inter
+            first = expert * dim
             for start in range(0, inter, BLOCK_K):
                 cols = start + tl.arange(0, BLOCK_K)
                 in_cols = cols < inter
                 value = tl.load(hidden_ptr + pair * inter + cols, mask=in_cols, other=0.0).to(tl.float32)
-                w = tl.load(matrix + rows[:, None] * inter + cols[None, :], mask=in_rows[:, None] & in_cols[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * value[None, :], axis=1)
+                w = _weight_tile(down_ptr, scales_ptr, lut_ptr, first + rows, cols, inter,
+                                 in_rows[:, None] & in_cols[None, :], MXFP4)
+                acc += tl.sum(w * value[None, :], axis=1)
         if not WEIGHT_BEFORE_DOWN:
             acc = acc * tl.load(weight_ptr + pair)
         tl.store(out_ptr + pair * dim + rows, acc, mask=in_rows)

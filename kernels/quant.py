@@ -59,7 +59,7 @@ def quantize_mxfp4(weight: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torc
     amax = blocks.abs().amax(dim=-1).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = blocks / torch.exp2(exponent)[..., None]
-    magnitudes = E2M1_VALUES[:8]
+    magnitudes = E2M1_VALUES[:8].to(w.device)
     codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
     codes = codes + 8 * (scaled < 0).long() * (codes > 0).long()
     codes = codes.view(*w.shape[:-1], -1, 2)

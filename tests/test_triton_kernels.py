@@ -92,9 +92,11 @@ def test_rope_kernel_equals_the_reference():
 
 
 def check_experts_pairwise(tokens: int, dtype: torch.dtype, seed: int, device: str = DEVICE,
-                           dim: int = 48, inter: int = 40) -> None:
-    """This rank holds experts [2, 6) of 8: the others' pairs must add nothing."""
-    from kernels.moe import experts_pairwise, experts_reference
+                           dim: int = 48, inter: int = 40, mxfp4: bool = False) -> None:
+    """This rank holds experts [2, 6) of 8: the others' pairs must add nothing. `mxfp4`: the weights
+    as released (E2M1 codes + E8M0 scales), which the reference dequantizes exactly."""
+    from kernels.moe import MXFP4Experts, experts_pairwise, experts_reference
+    from kernels.quant import quantize_mxfp4
 
     generator = torch.Generator(device).manual_seed(seed)
     x = torch.randn(tokens, dim, generator=generator, device=device).to(dtype)
@@ -102,6 +104,11 @@ def check_experts_pairwise(tokens: int, dtype: torch.dtype, seed: int, device: s
     weights = torch.rand(tokens, 3, generator=generator, device=device)
     gate_up = (torch.randn(4, 2 * inter, dim, generator=generator, device=device) / dim**0.5).to(dtype)
     down = (torch.randn(4, dim, inter, generator=generator, device=device) / inter**0.5).to(dtype)
+    if mxfp4:
+        gate_up, down = (MXFP4Experts(*quantize_mxfp4(w)) for w in (gate_up, down))
+        plain = [torch.stack([w.expert(e, dtype) for e in range(4)]) for w in (gate_up, down)]
+        args = (x, weights, experts, gate_up, down, 2, 1.5, True)
+        assert torch.equal(experts_reference(*args), experts_reference(x, weights, experts, *plain, 2, 1.5, True))
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for before_down in (False, True):
         args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
@@ -111,6 +118,10 @@ def check_experts_pairwise(tokens: int, dtype: torch.dtype, seed: int, device: s
 def test_pairwise_experts_kernels_equal_the_reference():
     """Row and column counts that are not multiples of the 32 x 128 blocks; limit 1.5 clamps."""
     check_experts_pairwise(tokens=3, dtype=torch.float32, seed=0)
+
+
+def test_pairwise_experts_kernels_decode_mxfp4_weights():
+    check_experts_pairwise(tokens=3, dtype=torch.float32, seed=1, dim=64, inter=96, mxfp4=True)
 
 
 def check_indexer_scores(batch: int, heads: int, dim: int, per_page: int, width: int, store_dtype: torch.dtype,
