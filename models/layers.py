@@ -1,11 +1,13 @@
-"""Small building blocks shared by the DeepSeek-V4 layers: RMS norms and interleaved RoPE."""
+"""Small building blocks shared by the DeepSeek-V4 layers: RMS norms, interleaved RoPE, FP8 linears."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels.fp8_linear import fp8_linear
 from kernels.norm import rms_norm
+from kernels.quant import FP8_BLOCK
 from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
 from models.config import RopeSpec
 
@@ -20,6 +22,21 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer (no bias) whose weight stays as released, float8_e4m3fn values with one float32
+    scale per `block` x `block` tile (`model.quantization: checkpoint`): the loader puts it where
+    nn.Linear stood and the checkpoint stores FP8. Half the bytes a bf16 weight reads per step."""
+
+    def __init__(self, in_features: int, out_features: int, block: int = FP8_BLOCK) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.empty(-(-out_features // block), -(-in_features // block)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.block)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

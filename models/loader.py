@@ -8,6 +8,11 @@ Quantized weights are dequantized at load into the serving dtype (the CPU refere
 Every parameter must be present with its exact shape; anything else in the files is an error, except
 the MTP layer (`mtp.*`), which serving does not run. Errors name the tensor and the file.
 
+`keep_quantized` (`model.quantization: checkpoint`) keeps them as stored instead where the GPU path
+reads them so: FP8 linears become `Fp8Linear` (models/layers.py) and MXFP4 routed experts stay packed
+(`Experts.keep_packed`); a tensor stored otherwise, or cut by a tensor-parallel shard inside a scale
+block, is dequantized as above.
+
 Tensor parallel (`tp`): the model is built at this rank's shard sizes and each sharded parameter is
 read as its slice of the stored tensor (safetensors `get_slice`; quantized ones by the scale blocks
 that cover the slice), so a rank never reads the parts other ranks hold; other ranks' per-expert
@@ -28,9 +33,12 @@ from torch import nn
 
 from engram_store.store import EngramOptions
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
-from kernels.quant import FP8_BLOCK, MXFP4_BLOCK
+from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, _as_float_scales
 from models.config import ConfigError, ModelConfig
+from models.csa2 import SharedCompressor
 from models.engram_setup import TableRows, engram_memory
+from models.layers import Fp8Linear
+from models.moe import Experts
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.parallel import SINGLE, Shard, TensorParallel, shard_of
@@ -161,6 +169,36 @@ class WeightReader:
         pieces = [self._read_range(stored, shard.dim, start, end, logical) for start, end in shard.ranges]
         return self._checked(name, torch.cat(pieces, dim=shard.dim), shape)
 
+    def read_stored(self, name: str, shape: torch.Size, shard: Shard | None, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(values, scales) of `name` as stored when it is stored as `kind` ("fp8": float8_e4m3fn with
+        float32 block scales; "mxfp4": uint8 codes with uint8 E8M0 exponents) and `shard` cuts it at
+        whole scale blocks; None otherwise, reading nothing (the caller dequantizes instead)."""
+        full = list(shape)
+        if shard is not None:
+            full[shard.dim] = shard.full
+        stored = self._format(name, tuple(full))
+        wanted = (dequantize_fp8_blocks,) if kind == "fp8" else (dequantize_mxfp4, _unpack_blocks)
+        if stored.decode not in wanted or stored.scale is None:
+            return None
+        if kind == "mxfp4" and self.source.stored(stored.scale)[1] not in ("U8", "F8_E8M0"):
+            return None
+        if shard is None:
+            values, scale = self._take(stored.values), self._take(stored.scale)
+        else:
+            block, per_value = stored.block(shard.dim, len(full)), stored.per_value(shard.dim, len(full))
+            if len(shard.ranges) != 1 or shard.dim == len(full) - 1 and stored.decode is _unpack_blocks:
+                return None
+            start, end = shard.ranges[0]
+            if start % block or (end % block and end != shard.full):
+                return None
+            values = self._take_slice(stored.values, shard.dim, start // per_value, -(-end // per_value))
+            scale = self._take_slice(stored.scale, shard.dim, start // block, -(-end // block))
+        if kind == "fp8":
+            return values, _as_float_scales(scale)
+        if stored.decode is _unpack_blocks:  # gpt-oss blocks [..., in / 32, 16] -> [..., in / 2]
+            values = values.reshape(*values.shape[:-2], -1)
+        return values.view(torch.uint8), scale.view(torch.uint8)
+
     def skip(self, name: str) -> None:
         """Marks a tensor another rank reads (and its scales) as accounted for, without reading it."""
         companions = (name, name + "_blocks", name + "_scales", name + "_scale_inv", name + "_scale",
@@ -247,10 +285,12 @@ def load_model(
     simulate_quantization: bool = True,
     engram: EngramOptions | None = None,
     tp: TensorParallel = SINGLE,
+    keep_quantized: bool = False,
 ) -> DeepseekV4 | DeepseekV41:
     """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
     `engram` places each Engram table in its tier (engram_store/); None reads them all into memory.
-    `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide)."""
+    `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide).
+    `keep_quantized`: FP8 linears and MXFP4 experts stay as stored (see the module docstring)."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
@@ -259,9 +299,23 @@ def load_model(
         model = DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
     reader = WeightReader(TensorSource(directory))
     index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
+    fp8_modules = _fp8_linears(model, reader, index) if keep_quantized else set()
     for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if full_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        owner, _, leaf = full_name.rpartition(".")
+        if owner in fp8_modules:
+            if leaf == "weight":
+                stored = index.direct.get(full_name, full_name)
+                values, scale = reader.read_stored(stored, tensor.shape, shard_of(model, full_name), "fp8")
+                _assign(model, full_name, values.to(device))
+                _assign(model, f"{owner}.weight_scale", scale.to(device))
+            continue
+        if keep_quantized and isinstance(model.get_submodule(owner), Experts):
+            packed = _read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+            if packed is not None:
+                model.get_submodule(owner).keep_packed(leaf, packed[0].to(device), packed[1].to(device))
+                continue
         value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
         value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
         _assign(model, full_name, value)
@@ -281,6 +335,74 @@ def load_model(
     log.info("%s: rank %d of %d read %.1f MiB of weights", directory, tp.rank, tp.world_size,
              reader.source.bytes_read / 2**20)
     return model.eval()
+
+
+def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> set[str]:
+    """Puts an Fp8Linear where each nn.Linear stands whose checkpoint weight is FP8 (and whose shard,
+    if any, cuts whole blocks); returns their names. A kv source's compressor reads its projections'
+    weights in float32 directly, so those stay dequantized."""
+    replaced = set()
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or module.bias is not None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(parent, SharedCompressor):
+            continue
+        stored = index.direct.get(f"{name}.weight", f"{name}.weight")
+        if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard_of(model, f"{name}.weight")):
+            continue
+        with torch.device("meta"):
+            fp8 = Fp8Linear(module.in_features, module.out_features)
+        if hasattr(module, "tp_shards"):
+            fp8.tp_shards = module.tp_shards
+        setattr(parent, child, fp8)
+        replaced.add(name)
+    return replaced
+
+
+def _stored_fp8(reader: WeightReader, stored: str, module: nn.Linear, shard: Shard | None) -> bool:
+    """Whether the checkpoint stores this linear's weight as block-scaled FP8 that the shard (if any)
+    cuts at whole blocks."""
+    full = [module.out_features, module.in_features]
+    if shard is not None:
+        full[shard.dim] = shard.full
+    if reader._format(stored, tuple(full)).decode is not dequantize_fp8_blocks:
+        return False
+    if shard is None:
+        return True
+    start, end = shard.ranges[0]
+    return len(shard.ranges) == 1 and start % FP8_BLOCK == 0 and (end % FP8_BLOCK == 0 or end == shard.full)
+
+
+def _read_packed_experts(
+    reader: WeightReader, index: NameIndex, name: str, shape: torch.Size, shard: Shard | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A layer's gate_up_proj / down_proj as stacked MXFP4 codes and exponents, when the checkpoint
+    stores every expert's part so; None to dequantize instead."""
+    owner, _, leaf = name.rpartition(".")
+    if name in index.direct or owner not in index.experts:
+        return reader.read_stored(index.direct.get(name, name), shape, shard, "mxfp4")
+    parts = index.experts[owner].by_expert
+    owned = range(shard.start, shard.start + shard.size) if shard is not None else range(shape[0])
+    wanted = ("w1", "w3") if leaf == "gate_up_proj" else ("w2",)
+    rows = shape[1] // len(wanted)
+    if any(w not in parts.get(e, {}) for e in owned for w in wanted):
+        return None
+    codes, scales = [], []
+    for expert in owned:
+        pieces = [reader.read_stored(parts[expert][w], torch.Size((rows, shape[2])), None, "mxfp4") for w in wanted]
+        if any(p is None for p in pieces):
+            return None
+        codes.append(torch.cat([p[0] for p in pieces]))
+        scales.append(torch.cat([p[1] for p in pieces]))
+    total = shard.full if shard is not None else shape[0]
+    for expert in range(total):
+        if expert not in owned:
+            for w in wanted:
+                if w in parts.get(expert, {}):
+                    reader.skip(parts[expert][w])
+    return torch.stack(codes), torch.stack(scales)
 
 
 def _read_parameter(

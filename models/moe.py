@@ -22,7 +22,9 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from kernels.moe import clamped_swiglu, experts_on_device, experts_reference, grouped_mm_supported
+from kernels.moe import (
+    ExpertWeights, MXFP4Experts, clamped_swiglu, experts_on_device, experts_reference, grouped_mm_supported,
+)
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
@@ -79,13 +81,26 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         mark_shards(self, gate_up_proj=shard, down_proj=shard)
 
+    def keep_packed(self, leaf: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Holds `leaf` (gate_up_proj / down_proj) as released MXFP4 (codes [E, rows, cols / 2], E8M0
+        exponents [E, rows, cols / 32]) instead of a dequantized parameter (model.quantization: checkpoint)."""
+        del self._parameters[leaf]
+        self.register_buffer(f"{leaf}_codes", codes)
+        self.register_buffer(f"{leaf}_scales", scales)
+
+    def weights(self, leaf: str) -> ExpertWeights:
+        if leaf in self._parameters:
+            return self._parameters[leaf]
+        return MXFP4Experts(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The weighted sum of this rank's experts for every token (zero where it chose none of them):
         Triton or grouped GEMMs on the GPU (no host sync, capturable), the reference loop on the CPU and in
         deterministic mode (whose batch-invariant GEMMs it goes through)."""
         use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
         run = experts_on_device if use_grouped else experts_reference
-        return run(x, weights, experts, self.gate_up_proj, self.down_proj, self.first, self.limit, self.weight_before_down)
+        return run(x, weights, experts, self.weights("gate_up_proj"), self.weights("down_proj"), self.first, self.limit,
+                   self.weight_before_down)
 
 
 class SharedExpert(nn.Module):

@@ -1,8 +1,8 @@
 """Config settings that name features this version does not run yet, in one place.
 
 Two kinds, because `python -m server plan` treats them differently:
-- *plannable*: the memory arithmetic is known even though the engine does not run it yet (FP8 / MXFP4
-  weights take the bytes the checkpoint stores).
+- *plannable*: the memory arithmetic is known even though the engine does not run it yet (none now:
+  FP8 / MXFP4 weights kept as stored were the last, until issue 8 built them).
   `plan` computes the rig with them and lists them under "needs"; serving refuses them.
 - *unplannable*: offload, whose split between GPU, host RAM and NVMe is not designed yet. Nothing can
   be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does serving.
@@ -30,9 +30,6 @@ class Unbuilt:
 def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     """The settings of `config` that this version cannot serve."""
     found = []
-    if config.model.quantization == "checkpoint":
-        found.append(Unbuilt("model.quantization",
-                             "FP8 / MXFP4 weights kept as stored need the GPU fast path (issue 8)", True))
     if config.offload.experts != "none":
         found.append(Unbuilt("offload.experts",
                              f"{config.offload.experts!r}: expert offload is not built yet (a later issue)", False))

@@ -92,3 +92,46 @@ def test_fp8_and_mxfp4_weights_dequantize_in_place(copy, checkpoints):
         block_amax = dense.view(*dense.shape[:-1], -1, 32).abs().amax(-1)
         assert (blocks <= block_amax * 0.25 + 1e-6).all(), name
         assert torch.corrcoef(torch.stack([loaded.flatten(), dense.flatten()]))[0, 1] > 0.95
+
+
+def test_quantized_weights_kept_as_stored_give_the_dequantized_models_logits(copy, checkpoints):
+    """`keep_quantized` (model.quantization: checkpoint): the FP8 linear becomes an Fp8Linear and the
+    MXFP4 experts stay packed (4.25 bits a weight); the logits are bitwise those of the model that
+    dequantized them at load (the CPU reference dequantizes the same values per use)."""
+    from kernels.moe import MXFP4Experts
+    from models.layers import Fp8Linear
+    from models import ForwardBatch
+    from tests.conftest import random_tokens
+
+    dense = "model.layers.1.self_attn.q_b_proj"
+
+    def edit(t):
+        values, scale = quantize_fp8_blocks(t[dense + ".weight"])
+        t[dense + ".weight"], t[dense + ".weight_scale_inv"] = values, scale
+        fused = t.pop("model.layers.2.mlp.experts.gate_up_proj")
+        down = t.pop("model.layers.2.mlp.experts.down_proj")
+        for expert in range(fused.shape[0]):
+            w1, w3 = fused[expert].chunk(2)
+            for part, matrix in (("w1", w1), ("w3", w3), ("w2", down[expert])):
+                packed, exponents = quantize_mxfp4(matrix)
+                t[f"model.layers.2.ffn.experts.{expert}.{part}.weight"] = packed
+                t[f"model.layers.2.ffn.experts.{expert}.{part}.scale"] = exponents
+
+    rewrite(copy, edit)
+    kept, dequantized = load_model(copy, keep_quantized=True), load_model(copy)
+    assert isinstance(kept.get_submodule(dense), Fp8Linear) and kept.get_submodule(dense).weight.dtype == torch.float8_e4m3fn
+    experts = kept.get_submodule("model.layers.2.mlp.experts")
+    assert isinstance(experts.weights("gate_up_proj"), MXFP4Experts) and "gate_up_proj" not in dict(experts.named_parameters())
+    plain = dequantized.get_submodule("model.layers.2.mlp.experts").gate_up_proj
+    assert torch.equal(torch.stack([experts.weights("gate_up_proj").expert(e, torch.float32) for e in range(plain.shape[0])]), plain)
+    kept_bytes = sum(t.numel() * t.element_size() for t in list(kept.parameters()) + list(kept.buffers()))
+    plain_bytes = sum(t.numel() * t.element_size() for t in list(dequantized.parameters()) + list(dequantized.buffers()))
+    assert kept_bytes < plain_bytes
+    batch = ForwardBatch.build([(0, random_tokens(40, seed=5), 0)], logits="all")
+    assert torch.equal(kept(batch, kept_cache(kept)), dequantized(batch, kept_cache(dequantized)))
+
+
+def kept_cache(model):
+    from models import ModelCache
+
+    return ModelCache.allocate(model.config, 1, 64)

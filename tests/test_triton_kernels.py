@@ -164,3 +164,23 @@ def check_unpack_fp4(rows: int, dim: int, seed: int, device: str = DEVICE) -> No
 
 def test_unpack_fp4_kernel_is_bitwise_the_reference():
     check_unpack_fp4(rows=9, dim=64, seed=0)
+
+
+def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
+    """Sizes that are not multiples of the tiles or of the 128 blocks; a weight tile with subnormal and
+    negative values; bf16 within bf16's rounding of the reference, float32 close."""
+    from kernels.fp8_linear import fp8_linear_reference, fp8_linear_triton
+    from kernels.quant import quantize_fp8_blocks
+
+    generator = torch.Generator(device).manual_seed(seed)
+    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu())
+    weight, scale = weight.to(device), scale.to(device)
+    x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
+    got, want = fp8_linear_triton(x, weight, scale), fp8_linear_reference(x, weight, scale)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * k**0.5)
+
+
+def test_fp8_linear_kernel_equals_the_reference():
+    check_fp8_linear(rows=3, n=70, k=200, dtype=torch.float32, seed=0)

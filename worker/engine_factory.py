@@ -145,7 +145,8 @@ def build_runner(
     converts_first = plan_group is not None and "disk" in (options.residency, *options.layer_residency.values())
     if converts_first and tp.rank != 0:
         dist.barrier(group=plan_group)
-    model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp or SINGLE)
+    model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp or SINGLE,
+                       keep_quantized=config.model.quantization == "checkpoint")
     if converts_first and tp.rank == 0:
         dist.barrier(group=plan_group)
     sched = config.scheduler
