@@ -7,7 +7,11 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
     python -m bench.slice transformers [--concurrency 1 8 32] [--prompt-len 512] [--steps 32]
     python -m bench.slice profile [--concurrency 1 32] [--steps 8] [--top 40] [--enforce-eager]
     common: [--config configs/models/DeepSeek-V4-Flash/config.json] [--layers 4] [--device cuda|cpu]
-            [--dtype bfloat16] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
+            [--dtype bfloat16] [--weights bf16|released] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
+
+`--weights released` puts the slice in the release's formats before the run (MXFP4 routed experts,
+FP8 attention projections and shared expert: models/random_model.quantize_as_released), as
+`model.quantization: checkpoint` serves them; bytes read per step and the roofline count them so.
 
 Every command first prints its `slice.model` line (parameter bytes; bytes and parameters a token
 activates: attention, shared expert, top-k experts, embedding row, head), then `slice.copy` (device-to-
@@ -77,7 +81,7 @@ from bench.slice_roofline import (
     weight_bytes_read,
 )
 from models import ForwardBatch, ModelConfig
-from models.random_model import build_random_model
+from models.random_model import build_random_model, quantize_as_released
 from scheduler import StepPlan
 from worker import ModelRunner
 from worker.memory_plan import model_bytes
@@ -106,13 +110,19 @@ def build_slice(args: argparse.Namespace) -> tuple[dict[str, Any], torch.nn.Modu
     config = ModelConfig.from_dict(raw)
     if config.is_v41:
         raise SystemExit("bench.slice counts V4 layer kinds (sliding / CSA / HCA) only: pass a deepseek_v4 config")
-    return raw, build_random_model(config, getattr(torch, args.dtype), args.device, args.seed)
+    model = build_random_model(config, getattr(torch, args.dtype), args.device, args.seed)
+    if args.weights == "released":
+        quantize_as_released(model)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return raw, model
 
 
 def run_fields(args: argparse.Namespace) -> dict[str, Any]:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"device": machine, "commit": commit, "dtype": args.dtype, "config": str(args.config), "layers": args.layers}
+    return {"device": machine, "commit": commit, "dtype": args.dtype, "weights": args.weights, "config": str(args.config),
+            "layers": args.layers}
 
 
 def emit(row: dict[str, Any], fields: dict[str, Any]) -> None:
@@ -298,6 +308,8 @@ def cmd_ttft(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str,
 def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict[str, Any], fields: dict[str, Any]) -> None:
     from bench.slice_hf import hf_sharing_weights, time_generate
 
+    if args.weights != "bf16":
+        raise SystemExit("transformers shares the slice's bf16 tensors: run it with --weights bf16")
     copy_bps, _ = ceilings(args, model, fields)
     hf = hf_sharing_weights(model, raw, args.hf_experts)
     runner = ModelRunner(model, max(args.concurrency), args.prompt_len + args.steps + 2, device=args.device, cuda_graphs=True)
@@ -330,6 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "released"],
+                        help="released: MXFP4 experts and FP8 linears kept packed, as model.quantization: checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--copy-mib", type=int, default=None, help="copy buffer (default 4096 on cuda, 64 on cpu)")
     parser.add_argument("--gemm-n", type=int, default=None, help="GEMM size (default 8192 on cuda, 256 on cpu)")

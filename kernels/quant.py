@@ -34,7 +34,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[t
     """Inverse of dequantize_fp8_blocks: per-block amax / 448 scales."""
     out_dim, in_dim = weight.shape
     rows, cols = -(-out_dim // block), -(-in_dim // block)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=weight.device)
     padded[:out_dim, :in_dim] = weight.float()
     blocks = padded.view(rows, block, cols, block)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)

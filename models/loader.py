@@ -342,13 +342,7 @@ def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> se
     if any, cuts whole blocks); returns their names. A kv source's compressor reads its projections'
     weights in float32 directly, so those stay dequantized."""
     replaced = set()
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or module.bias is not None:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        if isinstance(parent, SharedCompressor):
-            continue
+    for name, module in fp8_candidates(model):
         stored = index.direct.get(f"{name}.weight", f"{name}.weight")
         if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard_of(model, f"{name}.weight")):
             continue
@@ -356,9 +350,21 @@ def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> se
             fp8 = Fp8Linear(module.in_features, module.out_features)
         if hasattr(module, "tp_shards"):
             fp8.tp_shards = module.tp_shards
-        setattr(parent, child, fp8)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, fp8)
         replaced.add(name)
     return replaced
+
+
+def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linear layers that may run as Fp8Linear: every bias-free nn.Linear but a kv source
+    compressor's projections, whose weights it reads in float32 directly."""
+    out = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module.bias is None:
+            if not isinstance(model.get_submodule(name.rpartition(".")[0]), SharedCompressor):
+                out.append((name, module))
+    return out
 
 
 def _stored_fp8(reader: WeightReader, stored: str, module: nn.Linear, shard: Shard | None) -> bool:

@@ -13,7 +13,10 @@ import math
 import torch
 
 from models.config import ConfigError, ModelConfig
-from models.loader import _assign, _target_dtype
+from kernels.quant import quantize_fp8_blocks, quantize_mxfp4
+from models.layers import Fp8Linear
+from models.loader import _assign, _target_dtype, fp8_candidates
+from models.moe import Experts
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 
@@ -64,3 +67,30 @@ def build_random_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+RELEASED_FP8 = tuple(f"self_attn.{p}_proj" for p in ("q_a", "q_b", "kv", "o_b"))
+
+
+@torch.no_grad()
+def quantize_as_released(model: DeepseekV4 | DeepseekV41) -> None:
+    """Puts a model's weights in the release's formats, in place on their device: routed experts MXFP4
+    (kept packed); the attention projections and the shared expert FP8 with 128 x 128 block scales
+    (Fp8Linear; the release also stores o_a_proj so, which serving dequantizes); what
+    `model.quantization: checkpoint` serves from a real checkpoint. One expert at a time, so the
+    temporaries stay small next to a 55 GB bf16 slice."""
+    for module in list(model.modules()):
+        if isinstance(module, Experts):
+            for leaf in ("gate_up_proj", "down_proj"):
+                dense = module.weights(leaf)
+                packed = [quantize_mxfp4(dense[e]) for e in range(dense.shape[0])]
+                module.keep_packed(leaf, torch.stack([p[0] for p in packed]), torch.stack([p[1] for p in packed]))
+                del dense, packed
+    for name, linear in fp8_candidates(model):
+        if not (name.endswith(RELEASED_FP8) or ".mlp.shared_experts." in name):
+            continue
+        with torch.device("meta"):
+            fp8 = Fp8Linear(linear.in_features, linear.out_features)
+        fp8.weight, fp8.weight_scale = quantize_fp8_blocks(linear.weight)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, fp8)

@@ -85,3 +85,15 @@ def test_transformers_shares_our_tensors_and_logits(config):
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-3
+
+
+def test_decode_with_the_released_formats(capsys, config):
+    """--weights released: MXFP4 experts and FP8 linears kept packed; a step reads fewer weight bytes."""
+    argv = ("decode", "--concurrency", "2", "--context", "0", "--steps", "2")
+    plain = run(capsys, config, *argv)["slice.decode"][0]
+    released = run(capsys, config, *argv, "--weights", "released")
+    row = released["slice.decode"][0]
+    positive(row, "tokens_per_s", "weight_bytes_per_step", "roofline_tokens_per_s")
+    assert row["weights"] == "released" and row["weight_bytes_per_step"] < plain["weight_bytes_per_step"]
+    assert released["slice.model"][0]["param_bytes"] < 0.6 * run(capsys, config, "decode", "--concurrency", "1",
+                                                                "--context", "0", "--steps", "1")["slice.model"][0]["param_bytes"]

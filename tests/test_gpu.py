@@ -187,6 +187,23 @@ def test_grouped_experts_match_the_reference_loop(tokens):
         torch.testing.assert_close(experts_grouped(*args), experts_reference(*args), rtol=2e-2, atol=2e-2)
 
 
+def dequantized_float32(released, dense):
+    """`dense` (a model of the same config) holding the values of `released`'s packed weights, in float32."""
+    from kernels.quant import dequantize_fp8_blocks
+    from models.layers import Fp8Linear
+    from models.moe import Experts
+
+    for name, module in released.named_modules():
+        if isinstance(module, Experts):
+            target = dense.get_submodule(name)
+            for leaf in ("gate_up_proj", "down_proj"):
+                packed = module.weights(leaf)
+                getattr(target, leaf).data = torch.stack([packed.expert(e, torch.float32) for e in range(packed.shape[0])])
+        elif isinstance(module, Fp8Linear):
+            dense.get_submodule(name).weight.data = dequantize_fp8_blocks(module.weight, module.weight_scale)
+    return dense.float()
+
+
 def graph_test_models(kind: str, checkpoints) -> tuple:
     """(bf16 model, float32 reference with the same weights) of a tiny V4 or V4.1 (Engram on)."""
     import copy
@@ -194,11 +211,17 @@ def graph_test_models(kind: str, checkpoints) -> tuple:
     if kind == "v4":
         model = tiny_v4_bf16()
         return model, copy.deepcopy(model).float()
+    if kind == "v4_released":  # MXFP4 experts and FP8 linears kept packed; the reference holds their values
+        from models.random_model import quantize_as_released
+
+        model = tiny_v4_bf16()
+        quantize_as_released(model)
+        return model, dequantized_float32(model, tiny_v4_bf16())
     load = lambda dtype: load_model(checkpoints["v41"], dtype=dtype, device="cuda", simulate_quantization=False)  # noqa: E731
     return load(torch.bfloat16), load(torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released"])
 def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, kind):
     """Each replay is bitwise an eager run of the same decode batch on the same state (cache and
     Engram rows included). Against a float32 model fed the same tokens, the graph path (Triton
@@ -239,7 +262,7 @@ def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, k
     assert max(graph_errors) <= 1.5 * max(eager_errors) + 1e-3, (graph_errors, eager_errors)
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released"])
 def test_graph_decode_makes_no_allocation(checkpoints, kind):
     """A served decode run on graphs: after warm-up no new device memory (num_device_alloc, reserved
     bytes), and a replay alone asks the caching allocator for nothing (V4.1: its Engram rows are
@@ -348,6 +371,20 @@ def test_tiered_pages_on_cuda_read_host_memory_bitwise():
     bytes_.host[9] = 4
     assert int(memory[9]) == 4
     check_tiered_pages("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_kernel_compiled_equals_the_reference(dtype):
+    from tests.test_triton_kernels import check_fp8_linear
+
+    check_fp8_linear(rows=5, n=1000, k=1100, dtype=dtype, seed=3, device="cuda")
+    check_fp8_linear(rows=1, n=2048, k=4096, dtype=dtype, seed=4, device="cuda")  # a V4-Flash-sized decode row
+
+
+def test_pairwise_mxfp4_experts_compiled_equal_the_reference():
+    from tests.test_triton_kernels import check_experts_pairwise
+
+    check_experts_pairwise(tokens=5, dtype=torch.bfloat16, seed=2, dim=256, inter=192, mxfp4=True, device="cuda")
 
 
 def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():
