@@ -3,9 +3,12 @@
 
 Decode reads every weight once a step, so keeping W in fp8 halves the bytes a bf16 copy would take.
 - `fp8_linear_reference`: dequantize W, then F.linear in x's dtype (the CPU path; allocates W in full).
-- `fp8_linear_triton`: one program per (rows of x, block of output columns) tile; it streams its W
-  tile in `block`-wide steps of K, scales each row of the tile by its block's scale as it converts it
-  to x's dtype, and accumulates tl.dot in float32. W is never materialised in bf16.
+- `fp8_linear_triton`: one program per (rows of x, block of output columns, share of K) tile; it
+  streams its W tile in `block`-wide steps of K, scales each row of the tile by its block's scale as it
+  converts it to x's dtype, and accumulates tl.dot in float32. W is never materialised in bf16. A decode
+  step has one tile of rows, so K is split until ~2 programs run per SM (a 4096-wide projection would
+  otherwise be 64 programs); the shares' float32 partial sums are added in a fixed order, not by atomics,
+  so a result does not depend on timing (graph replays equal eager runs bitwise).
 Both round each product of W's values and scales to x's dtype first, so they differ only in the order
 of the float32 accumulation.
 """
@@ -23,7 +26,8 @@ try:
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
-BLOCK_M, BLOCK_N = 16, 64  # rows of x (tl.dot's smallest) and output columns per program
+BLOCK_M, BLOCK_N = 16, 32  # rows of x (tl.dot's smallest) and output columns per program
+TARGET_PROGRAMS = 264  # two per SM of an H200
 TRITON_MAX_ROWS = 256  # decode-sized inputs; larger ones dequantize W once and take cuBLAS
 
 
@@ -43,13 +47,19 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        grid = (triton.cdiv(rows.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _fp8_linear_kernel[grid](rows, weight.view(torch.uint8), scale.float().contiguous(), out, rows.shape[0], n, k,
-                                 scale.shape[1], BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    m = rows.shape[0]
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    k_steps = triton.cdiv(k, block)
+    split = max(1, min(k_steps, TARGET_PROGRAMS // max(tiles, 1)))
+    steps_per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps_per_split)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split)
+        _fp8_linear_kernel[grid](rows, weight.view(torch.uint8), scale.float().contiguous(), partial, m, n, k,
+                                 scale.shape[1], steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
-    return out.view(*x.shape[:-1], n)
+    return partial.sum(dim=0).to(x.dtype).view(*x.shape[:-1], n)
 
 
 if triton is not None:
@@ -65,13 +75,17 @@ if triton is not None:
         return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
 
     @triton.jit
-    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, BLOCK: tl.constexpr,
+    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, steps_per_split, BLOCK: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (i, j, s): rows tile i, columns tile j, K blocks [s * steps_per_split, ...) ->
+        float32 partial sums out[s, rows, cols]."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        share = tl.program_id(2)
         in_rows, in_cols = rows < m, cols < n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, k, BLOCK):
+        first = share * steps_per_split * BLOCK
+        for start in range(first, tl.minimum(first + steps_per_split * BLOCK, k), BLOCK):
             inner = start + tl.arange(0, BLOCK)
             in_inner = inner < k
             xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
@@ -82,5 +96,5 @@ if triton is not None:
             s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
             w = (w * s[:, None]).to(xs.dtype)
             acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=in_rows[:, None] & in_cols[None, :])
+        out = out_ptr + share.to(tl.int64) * m * n
+        tl.store(out + rows[:, None].to(tl.int64) * n + cols[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,22 @@ class HostBytes:
 
 class _MappedHostMemory:
     """Registered host memory seen as device memory (UVA: the device address is the host address);
-    torch.as_tensor reads `__cuda_array_interface__` and keeps this object (and the mapping) alive."""
+    torch.as_tensor reads `__cuda_array_interface__` and keeps this object (and the mapping) alive.
+    When the device tensor goes, the range is unregistered before the mapping can be unmapped: a
+    registration left behind would make the driver refuse whatever the kernel maps there next
+    ("resource already mapped")."""
 
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
         self.__cuda_array_interface__ = {
             "shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False), "version": 3,
         }
+        weakref.finalize(self, _unregister, host, device)  # holds `host` (the mapping) until then
+
+
+def _unregister(host: torch.Tensor, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # no kernel still reads or writes the range
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def mapped_host_bytes(nbytes: int, device: torch.device | str) -> HostBytes:
@@ -56,4 +66,4 @@ def mapped_host_bytes(nbytes: int, device: torch.device | str) -> HostBytes:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed ({error}): lower the host"
                            " memory asked for (memory.host_memory_gb, engram.host_cache_gb) or raise the"
                            " locked-memory limit (ulimit -l)")
-    return HostBytes(host, torch.as_tensor(_MappedHostMemory(host), device=device))
+    return HostBytes(host, torch.as_tensor(_MappedHostMemory(host, device), device=device))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import E2M1_VALUES, dequantize_mxfp4
+from kernels.quant import dequantize_mxfp4
 
 try:
     import triton
@@ -161,14 +161,14 @@ def experts_pairwise(
     packed = isinstance(gate_up, MXFP4Experts)
     values, scales = _kernel_operands(gate_up)
     _gate_up_kernel[(tokens * k, triton.cdiv(inter, rows))](
-        x, expert_of, weight, values, scales, _lut(x.device), hidden, k, dim, inter, limit, weight_before_down,
+        x, expert_of, weight, values, scales, hidden, k, dim, inter, limit, weight_before_down,
         MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
     out = torch.empty(tokens * k, dim, dtype=torch.float32, device=x.device)
     rows, columns = down_blocks
     values, scales = _kernel_operands(down)
     _down_kernel[(tokens * k, triton.cdiv(dim, rows))](
-        hidden, expert_of, weight, values, scales, _lut(x.device), out, dim, inter, weight_before_down,
+        hidden, expert_of, weight, values, scales, out, dim, inter, weight_before_down,
         MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
     return out.view(tokens, k, dim).sum(dim=1)
@@ -180,16 +180,6 @@ def _kernel_operands(weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor
     if isinstance(weights, MXFP4Experts):
         return weights.codes, weights.scales
     return weights, weights
-
-
-_LUTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _lut(device: torch.device) -> torch.Tensor:
-    """The 16 E2M1 values on the device, copied once (a copy per call could not be captured)."""
-    if device not in _LUTS:
-        _LUTS[device] = E2M1_VALUES.to(device)
-    return _LUTS[device]
 
 
 def experts_on_device(
@@ -211,23 +201,34 @@ def experts_on_device(
 if triton is not None:
 
     @triton.jit
-    def _weight_tile(values_ptr, scales_ptr, lut_ptr, rows, cols, n_cols, mask, MXFP4: tl.constexpr):
-        """Weights [len(rows), len(cols)] as float32 of a row-major matrix with `n_cols` columns (`rows`
-        counted from the stacked experts' first row): plain values, or MXFP4 codes (two a byte, low
-        nibble first) times their E8M0 scale, built from its bits (exponent 0: the subnormal 2 ** -127)."""
-        if MXFP4:
-            byte = tl.load(values_ptr + rows[:, None] * (n_cols // 2) + (cols // 2)[None, :], mask=mask, other=0)
-            code = (byte.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 15
-            value = tl.load(lut_ptr + code, mask=mask, other=0.0)
-            exponent = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + (cols // 32)[None, :], mask=mask,
-                               other=127).to(tl.int32)
-            scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
-            return value * scale
+    def _weight_tile(values_ptr, rows, cols, n_cols, mask):
+        """Plain weights [len(rows), len(cols)] as float32 of a row-major matrix with `n_cols` columns
+        (`rows` counted from the stacked experts' first row)."""
         return tl.load(values_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _e2m1(code):
+        """E2M1 codes (sign, 2 exponent bits, 1 mantissa bit) -> float32, from the bits: exponent 0 is
+        0 or 0.5, else (1 + m / 2) x 2 ** (e - 1)."""
+        exponent, mantissa = (code >> 1) & 3, code & 1
+        bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+        return (bits | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mxfp4_rows_dot(codes_ptr, scales_ptr, rows, half, n_cols, mask, x_even, x_odd):
+        """sum over a K step of W[rows, k] x[k] for MXFP4 rows with `n_cols` columns: byte `half[j]`
+        holds columns 2j (low nibble, times x_even[j]) and 2j + 1 (high, times x_odd[j]), both under the
+        E8M0 scale of their 32 columns, built from its bits (exponent 0: the subnormal 2 ** -127)."""
+        byte = tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :], mask=mask, other=0).to(tl.int32)
+        exponent = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + (half // 16)[None, :], mask=mask,
+                           other=127).to(tl.int32)
+        scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
+        products = _e2m1(byte & 15) * x_even[None, :] + _e2m1(byte >> 4) * x_odd[None, :]
+        return tl.sum(products * scale, axis=1)
+
+    @triton.jit
     def _gate_up_kernel(
-        x_ptr, expert_ptr, weight_ptr, gate_up_ptr, scales_ptr, lut_ptr, hidden_ptr, k, dim, inter, limit,
+        x_ptr, expert_ptr, weight_ptr, gate_up_ptr, scales_ptr, hidden_ptr, k, dim, inter, limit,
         WEIGHT_BEFORE_DOWN: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pair = tl.program_id(0).to(tl.int64)
@@ -240,14 +241,23 @@ if triton is not None:
         if expert >= 0:
             first = expert * 2 * inter  # the expert's first row among all experts' rows
             for start in range(0, dim, BLOCK_K):
-                cols = start + tl.arange(0, BLOCK_K)
-                in_cols = cols < dim
-                value = tl.load(x_ptr + token * dim + cols, mask=in_cols, other=0.0).to(tl.float32)
-                both = in_rows[:, None] & in_cols[None, :]
-                g = _weight_tile(gate_up_ptr, scales_ptr, lut_ptr, first + rows, cols, dim, both, MXFP4)
-                u = _weight_tile(gate_up_ptr, scales_ptr, lut_ptr, first + inter + rows, cols, dim, both, MXFP4)
-                gate += tl.sum(g * value[None, :], axis=1)
-                up += tl.sum(u * value[None, :], axis=1)
+                if MXFP4:
+                    half = start // 2 + tl.arange(0, BLOCK_K // 2)
+                    in_half = half < dim // 2
+                    both = in_rows[:, None] & in_half[None, :]
+                    x_even = tl.load(x_ptr + token * dim + 2 * half, mask=in_half, other=0.0).to(tl.float32)
+                    x_odd = tl.load(x_ptr + token * dim + 2 * half + 1, mask=in_half, other=0.0).to(tl.float32)
+                    gate += _mxfp4_rows_dot(gate_up_ptr, scales_ptr, first + rows, half, dim, both, x_even, x_odd)
+                    up += _mxfp4_rows_dot(gate_up_ptr, scales_ptr, first + inter + rows, half, dim, both, x_even, x_odd)
+                else:
+                    cols = start + tl.arange(0, BLOCK_K)
+                    in_cols = cols < dim
+                    value = tl.load(x_ptr + token * dim + cols, mask=in_cols, other=0.0).to(tl.float32)
+                    both = in_rows[:, None] & in_cols[None, :]
+                    g = _weight_tile(gate_up_ptr, first + rows, cols, dim, both)
+                    u = _weight_tile(gate_up_ptr, first + inter + rows, cols, dim, both)
+                    gate += tl.sum(g * value[None, :], axis=1)
+                    up += tl.sum(u * value[None, :], axis=1)
         gate = tl.minimum(gate, limit)
         hidden = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
         if WEIGHT_BEFORE_DOWN:
@@ -256,7 +266,7 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        hidden_ptr, expert_ptr, weight_ptr, down_ptr, scales_ptr, lut_ptr, out_ptr, dim, inter,
+        hidden_ptr, expert_ptr, weight_ptr, down_ptr, scales_ptr, out_ptr, dim, inter,
         WEIGHT_BEFORE_DOWN: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pair = tl.program_id(0).to(tl.int64)
@@ -267,12 +277,19 @@ if triton is not None:
         if expert >= 0:
             first = expert * dim
             for start in range(0, inter, BLOCK_K):
-                cols = start + tl.arange(0, BLOCK_K)
-                in_cols = cols < inter
-                value = tl.load(hidden_ptr + pair * inter + cols, mask=in_cols, other=0.0).to(tl.float32)
-                w = _weight_tile(down_ptr, scales_ptr, lut_ptr, first + rows, cols, inter,
-                                 in_rows[:, None] & in_cols[None, :], MXFP4)
-                acc += tl.sum(w * value[None, :], axis=1)
+                if MXFP4:
+                    half = start // 2 + tl.arange(0, BLOCK_K // 2)
+                    in_half = half < inter // 2
+                    h_even = tl.load(hidden_ptr + pair * inter + 2 * half, mask=in_half, other=0.0).to(tl.float32)
+                    h_odd = tl.load(hidden_ptr + pair * inter + 2 * half + 1, mask=in_half, other=0.0).to(tl.float32)
+                    acc += _mxfp4_rows_dot(down_ptr, scales_ptr, first + rows, half, inter,
+                                           in_rows[:, None] & in_half[None, :], h_even, h_odd)
+                else:
+                    cols = start + tl.arange(0, BLOCK_K)
+                    in_cols = cols < inter
+                    value = tl.load(hidden_ptr + pair * inter + cols, mask=in_cols, other=0.0).to(tl.float32)
+                    w = _weight_tile(down_ptr, first + rows, cols, inter, in_rows[:, None] & in_cols[None, :])
+                    acc += tl.sum(w * value[None, :], axis=1)
         if not WEIGHT_BEFORE_DOWN:
             acc = acc * tl.load(weight_ptr + pair)
         tl.store(out_ptr + pair * dim + rows, acc, mask=in_rows)

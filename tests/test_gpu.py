@@ -3,6 +3,8 @@ device, and no new device allocations after warm-up. CPU CI skips these."""
 
 from __future__ import annotations
 
+import gc
+
 import json
 from pathlib import Path
 
@@ -370,6 +372,13 @@ def test_tiered_pages_on_cuda_read_host_memory_bitwise():
     assert bytes_.host[:8].tolist() == [0, 0, 0, 0, 0, 3, 3, 0]  # the CPU sees it in the same bytes
     bytes_.host[9] = 4
     assert int(memory[9]) == 4
+    del bytes_, memory
+    for _ in range(3):  # released mappings are unregistered: the addresses can be mapped (and copied from) again
+        gc.collect()
+        again = mapped_host_bytes(64 << 20, "cuda")
+        plain = torch.randn(16 << 20)
+        assert torch.equal(plain.cuda().cpu(), plain)
+        del again
     check_tiered_pages("cuda")
 
 

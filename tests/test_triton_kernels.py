@@ -184,3 +184,8 @@ def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, d
 
 def test_fp8_linear_kernel_equals_the_reference():
     check_fp8_linear(rows=3, n=70, k=200, dtype=torch.float32, seed=0)
+
+
+def test_fp8_linear_kernel_splits_k_into_shares():
+    """One decode row against a long K: the K shares' partial sums add up to the reference."""
+    check_fp8_linear(rows=1, n=40, k=1000, dtype=torch.float32, seed=1)
