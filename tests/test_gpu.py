@@ -396,6 +396,12 @@ def test_pairwise_mxfp4_experts_compiled_equal_the_reference():
     check_experts_pairwise(tokens=5, dtype=torch.bfloat16, seed=2, dim=256, inter=192, mxfp4=True, device="cuda")
 
 
+def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
+    from tests.test_triton_kernels import check_engram_gather
+
+    check_engram_gather(rows=4000, dim=256, ids=64, seed=1, device="cuda")  # V4.1-Flash's 256-wide rows
+
+
 def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_unpack_fp4
 

@@ -189,3 +189,23 @@ def test_fp8_linear_kernel_equals_the_reference():
 def test_fp8_linear_kernel_splits_k_into_shares():
     """One decode row against a long K: the K shares' partial sums add up to the reference."""
     check_fp8_linear(rows=1, n=40, k=1000, dtype=torch.float32, seed=1)
+
+
+def check_engram_gather(rows: int, dim: int, ids: int, seed: int, device: str = DEVICE) -> None:
+    """fp8 tables with E8M0 (uint8) and float32 scales, every e4m3 byte but NaN among the values (e4m3
+    subnormals included), row ids repeated and at both table edges: bitwise the reference."""
+    from kernels.engram import gather_engram_rows_reference, gather_engram_rows_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, dim), generator=generator, device=device, dtype=torch.uint8)
+    values = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).view(torch.float8_e4m3fn)
+    row_ids = torch.randint(0, rows, (ids, 3), generator=generator, device=device)
+    row_ids[0, 0], row_ids[-1, -1] = 0, rows - 1
+    exponents = torch.randint(100, 140, (rows, dim // 32), generator=generator, device=device, dtype=torch.uint8)
+    for scales in (exponents, torch.exp2(exponents.float() - 127)):
+        got, want = gather_engram_rows_triton(values, scales, row_ids), gather_engram_rows_reference(values, scales, row_ids)
+        assert got.shape == (ids, 3, dim) and torch.equal(got, want)
+
+
+def test_engram_gather_kernel_is_bitwise_the_reference():
+    check_engram_gather(rows=50, dim=96, ids=7, seed=0)
