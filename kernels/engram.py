@@ -39,13 +39,16 @@ def gather_engram_rows_reference(values: torch.Tensor, scales: torch.Tensor, row
 
 
 def gather_engram_rows_triton(values: torch.Tensor, scales: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    """Row-major tables whose rows may be strided (a row cache's [rows, value bytes | scale bytes])."""
     dim, n_scales = values.shape[-1], scales.shape[-1]
+    if values.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("the gather kernel reads rows whose elements are contiguous")
     flat = row_ids.reshape(-1).contiguous()
     out = torch.empty(flat.shape[0], dim, dtype=torch.float32, device=values.device)
     if flat.shape[0]:
         _gather_kernel[(flat.shape[0],)](
-            flat, values.view(torch.uint8), scales, out, dim, n_scales, dim // n_scales,
-            E8M0=scales.dtype == torch.uint8, DIM=triton.next_power_of_2(dim),
+            flat, values.view(torch.uint8), scales, out, dim, n_scales, dim // n_scales, values.stride(0),
+            scales.stride(0), E8M0=scales.dtype == torch.uint8, DIM=triton.next_power_of_2(dim),
         )
     return out.view(*row_ids.shape, dim)
 
@@ -53,16 +56,16 @@ def gather_engram_rows_triton(values: torch.Tensor, scales: torch.Tensor, row_id
 if triton is not None:
 
     @triton.jit
-    def _gather_kernel(ids_ptr, values_ptr, scales_ptr, out_ptr, dim, n_scales, block, E8M0: tl.constexpr,
-                       DIM: tl.constexpr):
+    def _gather_kernel(ids_ptr, values_ptr, scales_ptr, out_ptr, dim, n_scales, block, value_stride, scale_stride,
+                       E8M0: tl.constexpr, DIM: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         row = tl.load(ids_ptr + i).to(tl.int64)
         cols = tl.arange(0, DIM)
         inside = cols < dim
-        value = _e4m3_to_float(tl.load(values_ptr + row * dim + cols, mask=inside, other=0).to(tl.int32))
+        value = _e4m3_to_float(tl.load(values_ptr + row * value_stride + cols, mask=inside, other=0).to(tl.int32))
         if E8M0:
-            exponent = tl.load(scales_ptr + row * n_scales + cols // block, mask=inside, other=127).to(tl.int32)
+            exponent = tl.load(scales_ptr + row * scale_stride + cols // block, mask=inside, other=127).to(tl.int32)
             scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
         else:
-            scale = tl.load(scales_ptr + row * n_scales + cols // block, mask=inside, other=1.0)
+            scale = tl.load(scales_ptr + row * scale_stride + cols // block, mask=inside, other=1.0)
         tl.store(out_ptr + i * dim + cols, value * scale, mask=inside)

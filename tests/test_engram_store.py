@@ -198,3 +198,19 @@ def test_hints_warm_the_cache_and_aborted_requests_drop_theirs(checkpoints, tmp_
     assert store.reader.reads == kept_pages  # the aborted request's hint was dropped unread
     layer = store.layers[0]
     assert not layer.host_cache.absent(np.unique(ids[:6, 0].numpy())).any()
+
+
+def test_a_fully_cached_step_is_gathered_in_one_op_from_the_cache(checkpoints, tmp_path):
+    """Once every row of a step is in the host cache, the step's rows come straight from it (one gather
+    and decode, no read queued) and equal the resident table's, duplicates and table edges included."""
+    memory = load_model(checkpoints["v41"], engram=EngramOptions(residency="host")).engram_memory
+    disk = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t")).engram_memory
+    store = disk.source
+    for index, rows in enumerate(memory.hasher.layout.num_embeddings):
+        ids = torch.tensor([[0, rows - 1, 0, 5], [rows - 1, 3, 5, 0]])
+        expected = memory.source.rows(index, ids)
+        assert torch.equal(store.rows(index, ids), expected)  # cold: read from the file, then cached
+        reads, hits = store.reader.reads, store.stats.rows_host_cache
+        assert store.layers[index].gather_hits(ids.numpy().reshape(-1), store.stats) is not None
+        assert torch.equal(store.rows(index, ids), expected)
+        assert store.reader.reads == reads and store.stats.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
