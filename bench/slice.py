@@ -121,8 +121,10 @@ def build_slice(args: argparse.Namespace) -> tuple[dict[str, Any], torch.nn.Modu
 def run_fields(args: argparse.Namespace) -> dict[str, Any]:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"device": machine, "commit": commit, "dtype": args.dtype, "weights": args.weights, "config": str(args.config),
-            "layers": args.layers}
+    fields = {"device": machine, "commit": commit, "dtype": args.dtype, "config": str(args.config), "layers": args.layers}
+    if hasattr(args, "weights"):  # bench.long_context shares these fields and has no --weights
+        fields["weights"] = args.weights
+    return fields
 
 
 def emit(row: dict[str, Any], fields: dict[str, Any]) -> None:

@@ -131,25 +131,6 @@ def test_host_tier_is_refused_without_packed_v41_pages(checkpoints, kind):
                             kv_cache_dtype="auto" if kind == "auto" else "fp4", host_tier=HostTierSpec(BLOCK, 2))
 
 
-def test_engine_with_a_host_tier_serves_a_prefix_hit_like_the_plain_cold_run(checkpoints):
-    """Through the scheduler and runner (which holds the ring before each step): a prefix-cache hit
-    (pages shared, a partial page copied into the host tier) then decoding, bitwise the plain cache's
-    cold run in deterministic mode, with a one-page ring."""
-    from scheduler import Request, SamplingParams
-    from tests.test_prefix_cache import clobber, full_logprobs, make_engine, run
-
-    model = load_model(checkpoints["v41"])
-    prompt = random_tokens(90, seed=37)
-    cold_engine, cold = make_engine(model)
-    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
-    engine, warm = make_engine(model, kv_cache_dtype="fp4", kv_hot_tokens=BLOCK)
-    run(engine, warm, [Request("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
-    clobber(engine, warm)
-    run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
-    assert warm.cached("warm") == 37
-    assert warm.tokens("warm") == cold.tokens("cold") and warm.logprobs("warm") == cold.logprobs("cold")
-
-
 def test_a_page_copied_into_a_hot_page_is_read_back_from_the_ring(checkpoints):
     """Prefix-cache page copies write the host tier directly; a hot target's ring copy follows."""
     model = load_model(checkpoints["v41"])

@@ -26,6 +26,21 @@ def rewrite(directory, edit) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
+def quantize_as_released(tensors: dict, dense_name: str) -> None:
+    """`dense_name` as FP8 (128x128 block scales, HF `_scale_inv`), layer 2's experts as per-expert
+    MXFP4 weights with the release's `.scale` exponents."""
+    values, scale = quantize_fp8_blocks(tensors[dense_name])
+    tensors[dense_name], tensors[dense_name + "_scale_inv"] = values, scale
+    fused = tensors.pop("model.layers.2.mlp.experts.gate_up_proj")
+    down = tensors.pop("model.layers.2.mlp.experts.down_proj")
+    for expert in range(fused.shape[0]):
+        w1, w3 = fused[expert].chunk(2)
+        for part, matrix in (("w1", w1), ("w3", w3), ("w2", down[expert])):
+            packed, exponents = quantize_mxfp4(matrix)
+            tensors[f"model.layers.2.ffn.experts.{expert}.{part}.weight"] = packed
+            tensors[f"model.layers.2.ffn.experts.{expert}.{part}.scale"] = exponents
+
+
 def test_missing_tensor_is_named(copy):
     rewrite(copy, lambda t: t.pop("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.compressor\.indexer\.q_b_proj\.weight'"):
@@ -69,19 +84,7 @@ def test_fp8_and_mxfp4_weights_dequantize_in_place(copy, checkpoints):
     dense_name = "model.layers.1.self_attn.q_b_proj.weight"
     original = load_file(str(copy / "model.safetensors"))
 
-    def edit(t):
-        values, scale = quantize_fp8_blocks(t[dense_name])
-        t[dense_name], t[dense_name + "_scale_inv"] = values, scale
-        fused = t.pop("model.layers.2.mlp.experts.gate_up_proj")
-        down = t.pop("model.layers.2.mlp.experts.down_proj")
-        for expert in range(fused.shape[0]):
-            w1, w3 = fused[expert].chunk(2)
-            for part, matrix in (("w1", w1), ("w3", w3), ("w2", down[expert])):
-                packed, exponents = quantize_mxfp4(matrix)
-                t[f"model.layers.2.ffn.experts.{expert}.{part}.weight"] = packed
-                t[f"model.layers.2.ffn.experts.{expert}.{part}.scale"] = exponents
-
-    rewrite(copy, edit)
+    rewrite(copy, lambda t: quantize_as_released(t, dense_name))
     model = load_model(copy)
     params = dict(model.named_parameters())
     fp8_error = (params[dense_name] - original[dense_name]).abs().max() / original[dense_name].abs().max()
@@ -104,20 +107,7 @@ def test_quantized_weights_kept_as_stored_give_the_dequantized_models_logits(cop
     from tests.conftest import random_tokens
 
     dense = "model.layers.1.self_attn.q_b_proj"
-
-    def edit(t):
-        values, scale = quantize_fp8_blocks(t[dense + ".weight"])
-        t[dense + ".weight"], t[dense + ".weight_scale_inv"] = values, scale
-        fused = t.pop("model.layers.2.mlp.experts.gate_up_proj")
-        down = t.pop("model.layers.2.mlp.experts.down_proj")
-        for expert in range(fused.shape[0]):
-            w1, w3 = fused[expert].chunk(2)
-            for part, matrix in (("w1", w1), ("w3", w3), ("w2", down[expert])):
-                packed, exponents = quantize_mxfp4(matrix)
-                t[f"model.layers.2.ffn.experts.{expert}.{part}.weight"] = packed
-                t[f"model.layers.2.ffn.experts.{expert}.{part}.scale"] = exponents
-
-    rewrite(copy, edit)
+    rewrite(copy, lambda t: quantize_as_released(t, dense + ".weight"))
     kept, dequantized = load_model(copy, keep_quantized=True), load_model(copy)
     assert isinstance(kept.get_submodule(dense), Fp8Linear) and kept.get_submodule(dense).weight.dtype == torch.float8_e4m3fn
     experts = kept.get_submodule("model.layers.2.mlp.experts")

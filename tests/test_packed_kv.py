@@ -106,9 +106,12 @@ def test_v4_packing_is_lossy_and_measured():
     assert (plain.argmax(-1) == packed.argmax(-1)).float().mean() > 0.8
 
 
-def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(checkpoints):
+@pytest.mark.parametrize("hot_tokens", [None, BLOCK])
+def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(checkpoints, hot_tokens):
     """Through the scheduler and runner: a prefix-cache hit (pages shared, a partial page copied, all
-    packed) then decoding, bitwise the plain cache's cold run in deterministic mode."""
+    packed) then decoding, bitwise the plain cache's cold run in deterministic mode; also with the
+    entries in the host tier behind a one-page ring (`hot_tokens`; the runner holds the ring before
+    each step, and the partial page is copied into the host tier)."""
     from scheduler import Request, SamplingParams
     from tests.test_prefix_cache import clobber, full_logprobs, make_engine, run
 
@@ -116,7 +119,7 @@ def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(ch
     prompt = random_tokens(90, seed=37)
     cold_engine, cold = make_engine(model)
     run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
-    engine, warm = make_engine(model, kv_cache_dtype="fp4")
+    engine, warm = make_engine(model, kv_cache_dtype="fp4", kv_hot_tokens=hot_tokens)
     run(engine, warm, [Request("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
     clobber(engine, warm)
     run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
