@@ -2,7 +2,8 @@
 
 Quantized weights are dequantized at load into the serving dtype (the CPU reference path):
 - FP8 block-scaled: float8_e4m3fn `X` with `X_scale_inv` (HF fine-grained FP8) or `<module>.scale`
-  (original release), one scale per 128x128 block;
+  (original release), one scale per block of config.json's `weight_block_size` (128x128 by default,
+  32x32 in V4.1-Flash);
 - MXFP4: packed E2M1 bytes `X` ([..., in/2]) with E8M0 scales `X_scale` / `<module>.scale`
   ([..., in/32]), or gpt-oss style `X_blocks` / `X_scales`.
 Every parameter must be present with its exact shape; anything else in the files is an error, except
@@ -21,6 +22,7 @@ tensors are not read at all. Replicated parameters are read whole on every rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -128,6 +130,7 @@ class StoredFormat:
     blocked_dims: int  # trailing dims the scales are blocked along (FP8: 2, MXFP4: 1)
     scale_block: int
     packing: int  # logical elements per stored index along the last dim (packed FP4: 2, gpt-oss blocks: 32)
+    kind: str = "plain"  # "fp8", "mxfp4" (packed pairs), "mxfp4_blocks" (gpt-oss) or "plain"
 
     def block(self, dim: int, ndim: int) -> int:
         return self.scale_block if dim >= ndim - self.blocked_dims else 1
@@ -147,8 +150,9 @@ class WeightReader:
     """Reads one parameter (or one rank's shard of it) by name, dequantizing it if the checkpoint
     stores it quantized."""
 
-    def __init__(self, source: TensorSource) -> None:
+    def __init__(self, source: TensorSource, fp8_block: int = FP8_BLOCK) -> None:
         self.source = source
+        self.fp8_block = fp8_block  # side of the square FP8 scale blocks (config.json's weight_block_size)
         self.consumed: set[str] = set()
 
     def read(self, name: str, shape: torch.Size, shard: Shard | None = None) -> torch.Tensor:
@@ -177,8 +181,8 @@ class WeightReader:
         if shard is not None:
             full[shard.dim] = shard.full
         stored = self._format(name, tuple(full))
-        wanted = (dequantize_fp8_blocks,) if kind == "fp8" else (dequantize_mxfp4, _unpack_blocks)
-        if stored.decode not in wanted or stored.scale is None:
+        wanted = ("fp8",) if kind == "fp8" else ("mxfp4", "mxfp4_blocks")
+        if stored.kind not in wanted or stored.scale is None:
             return None
         if kind == "mxfp4" and self.source.stored(stored.scale)[1] not in ("U8", "F8_E8M0"):
             return None
@@ -186,7 +190,7 @@ class WeightReader:
             values, scale = self._take(stored.values), self._take(stored.scale)
         else:
             block, per_value = stored.block(shard.dim, len(full)), stored.per_value(shard.dim, len(full))
-            if len(shard.ranges) != 1 or shard.dim == len(full) - 1 and stored.decode is _unpack_blocks:
+            if len(shard.ranges) != 1 or shard.dim == len(full) - 1 and stored.kind == "mxfp4_blocks":
                 return None
             start, end = shard.ranges[0]
             if start % block or (end % block and end != shard.full):
@@ -195,7 +199,7 @@ class WeightReader:
             scale = self._take_slice(stored.scale, shard.dim, start // block, -(-end // block))
         if kind == "fp8":
             return values, _as_float_scales(scale)
-        if stored.decode is _unpack_blocks:  # gpt-oss blocks [..., in / 32, 16] -> [..., in / 2]
+        if stored.kind == "mxfp4_blocks":  # gpt-oss blocks [..., in / 32, 16] -> [..., in / 2]
             values = values.reshape(*values.shape[:-2], -1)
         return values.view(torch.uint8), scale.view(torch.uint8)
 
@@ -227,7 +231,8 @@ class WeightReader:
     def _format(self, name: str, shape: tuple[int, ...]) -> StoredFormat:
         names = self.source.names()
         if name + "_blocks" in names and name + "_scales" in names:
-            return StoredFormat(name + "_blocks", name + "_scales", _unpack_blocks, 1, MXFP4_BLOCK, MXFP4_BLOCK)
+            return StoredFormat(name + "_blocks", name + "_scales", _unpack_blocks, 1, MXFP4_BLOCK, MXFP4_BLOCK,
+                                "mxfp4_blocks")
         if name not in names:
             raise CheckpointError(f"missing tensor {name!r} in {self.source.directory}")
         scale = next(
@@ -237,9 +242,10 @@ class WeightReader:
             return StoredFormat(name, None, lambda values, _: values, 0, 1, 1)
         stored_shape, stored_dtype = self.source.stored(name)
         if stored_dtype == "F8_E4M3":
-            return StoredFormat(name, scale, dequantize_fp8_blocks, 2, FP8_BLOCK, 1)
+            decode = functools.partial(dequantize_fp8_blocks, block=self.fp8_block)
+            return StoredFormat(name, scale, decode, 2, self.fp8_block, 1, "fp8")
         if stored_shape[-1] * 2 == shape[-1]:
-            return StoredFormat(name, scale, dequantize_mxfp4, 1, MXFP4_BLOCK, 2)
+            return StoredFormat(name, scale, dequantize_mxfp4, 1, MXFP4_BLOCK, 2, "mxfp4")
         raise CheckpointError(
             f"tensor {name!r} in {self.source.where(name)} has scale {scale!r} but is neither FP8 "
             f"nor packed FP4 for shape {shape} (stored {stored_shape}, {stored_dtype})"
@@ -297,7 +303,7 @@ def load_model(
         config = replace(config, simulate_quantization=False)
     with torch.device("meta"):
         model = DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
-    reader = WeightReader(TensorSource(directory))
+    reader = WeightReader(TensorSource(directory), fp8_block(directory / "config.json"))
     index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
     fp8_modules = _fp8_linears(model, reader, index) if keep_quantized else set()
     for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -337,6 +343,19 @@ def load_model(
     return model.eval()
 
 
+def fp8_block(config_json: Path) -> int:
+    """The side of the FP8 weights' scale blocks: config.json's quantization_config.weight_block_size
+    (at the top or in V4.1's text_config; 128 x 128 when absent, 32 x 32 in V4.1-Flash). Only square
+    blocks are read."""
+    raw = json.loads(config_json.read_text())
+    quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config") or {}
+    block = quant.get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK)
+    if len(block) != 2 or block[0] != block[1] or int(block[0]) <= 0:
+        raise CheckpointError(f"{config_json}: quantization_config.weight_block_size {list(block)}: only square"
+                              " FP8 blocks are supported")
+    return int(block[0])
+
+
 def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> set[str]:
     """Puts an Fp8Linear where each nn.Linear stands whose checkpoint weight is FP8 (and whose shard,
     if any, cuts whole blocks); returns their names. A kv source's compressor reads its projections'
@@ -347,7 +366,7 @@ def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> se
         if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard_of(model, f"{name}.weight")):
             continue
         with torch.device("meta"):
-            fp8 = Fp8Linear(module.in_features, module.out_features)
+            fp8 = Fp8Linear(module.in_features, module.out_features, reader.fp8_block)
         if hasattr(module, "tp_shards"):
             fp8.tp_shards = module.tp_shards
         parent_name, _, child = name.rpartition(".")
@@ -373,12 +392,12 @@ def _stored_fp8(reader: WeightReader, stored: str, module: nn.Linear, shard: Sha
     full = [module.out_features, module.in_features]
     if shard is not None:
         full[shard.dim] = shard.full
-    if reader._format(stored, tuple(full)).decode is not dequantize_fp8_blocks:
+    if reader._format(stored, tuple(full)).kind != "fp8":
         return False
     if shard is None:
         return True
-    start, end = shard.ranges[0]
-    return len(shard.ranges) == 1 and start % FP8_BLOCK == 0 and (end % FP8_BLOCK == 0 or end == shard.full)
+    start, end, block = *shard.ranges[0], reader.fp8_block
+    return len(shard.ranges) == 1 and start % block == 0 and (end % block == 0 or end == shard.full)
 
 
 def _read_packed_experts(

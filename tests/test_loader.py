@@ -125,3 +125,38 @@ def kept_cache(model):
     from models import ModelCache
 
     return ModelCache.allocate(model.config, 1, 64)
+
+
+def test_fp8_blocks_follow_the_configs_weight_block_size(copy, checkpoints):
+    """V4.1-Flash stores FP8 in 32 x 32 blocks (quantization_config.weight_block_size): the loader maps
+    each scale to its block, dequantized or kept (Fp8Linear); read as 128 x 128 they would be wrong."""
+    from models.layers import Fp8Linear
+
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    original = load_file(str(copy / "model.safetensors"))[name]
+    assert original.shape[0] > 32  # several blocks of rows
+
+    def edit(t):
+        t[name], t[name + "_scale_inv"] = quantize_fp8_blocks(t[name], block=32)
+
+    rewrite(copy, edit)
+
+    def error(model) -> float:
+        loaded = dict(model.named_parameters())[name]
+        return float((loaded - original).abs().max() / original.abs().max())
+
+    misread = error(load_model(copy))  # without the config's block size: the 128 x 128 default
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    (copy / "config.json").write_text(json.dumps(config))
+    dequantized = load_model(copy)
+    assert 0 < error(dequantized) < 0.07 and misread > 2 * error(dequantized)
+    kept = load_model(copy, keep_quantized=True)
+    linear = kept.get_submodule(name.removesuffix(".weight"))
+    assert isinstance(linear, Fp8Linear) and linear.block == 32
+    x = torch.randn(3, linear.in_features)
+    assert torch.equal(linear(x), dequantized.get_submodule(name.removesuffix(".weight"))(x))
+    config["quantization_config"]["weight_block_size"] = [32, 64]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="weight_block_size"):
+        load_model(copy)
