@@ -16,7 +16,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.fp8_linear import _e4m3_to_float
+    from kernels.quant import _e4m3_to_float, _e8m0_to_float
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
@@ -65,7 +65,7 @@ if triton is not None:
         value = _e4m3_to_float(tl.load(values_ptr + row * value_stride + cols, mask=inside, other=0).to(tl.int32))
         if E8M0:
             exponent = tl.load(scales_ptr + row * scale_stride + cols // block, mask=inside, other=127).to(tl.int32)
-            scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
+            scale = _e8m0_to_float(exponent)
         else:
             scale = tl.load(scales_ptr + row * scale_stride + cols // block, mask=inside, other=1.0)
         tl.store(out_ptr + i * dim + cols, value * scale, mask=inside)

@@ -23,6 +23,8 @@ from kernels.quant import FP8_BLOCK, dequantize_fp8_blocks
 try:
     import triton
     import triton.language as tl
+
+    from kernels.quant import _e4m3_to_float
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
@@ -63,16 +65,6 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 
 if triton is not None:
-
-    @triton.jit
-    def _e4m3_to_float(bits):
-        """float8_e4m3fn bits -> float32, from the bit pattern (any GPU, and Triton's interpreter): sign,
-        4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (mantissa x 2 ** -9), 0x7F NaN."""
-        sign, exponent, mantissa = (bits >> 7) & 1, (bits >> 3) & 15, bits & 7
-        normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-        subnormal = mantissa.to(tl.float32) * 0.001953125 * (1.0 - 2.0 * sign.to(tl.float32))
-        value = tl.where(exponent == 0, subnormal, normal)
-        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
 
     @triton.jit
     def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, steps_per_split, BLOCK: tl.constexpr,

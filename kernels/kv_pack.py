@@ -28,6 +28,8 @@ from kernels.quant import E2M1_VALUES
 try:
     import triton
     import triton.language as tl
+
+    from kernels.quant import _e4m3_to_float, _e8m0_to_float
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
@@ -118,22 +120,6 @@ def unpack_fp4_reference(packed: PackedFP4, dtype: torch.dtype = torch.float32) 
 if triton is not None:
 
     @triton.jit
-    def _e4m3_scale(bits):
-        """float8_e4m3fn bits (sign 0: scales are positive; 4 exponent bits, bias 7; 3 mantissa bits) as a
-        float32 built from its bit pattern: `tl.exp2` compiles to an approximate instruction on the GPU,
-        which does not give exact powers of two. Exponent 0 is subnormal: mantissa x 2 ** -9; 0x7F is NaN
-        (torch's cast gives it to a block whose amax / 6 passes 448, and the reference decodes it so)."""
-        exponent, mantissa = (bits >> 3) & 15, bits & 7
-        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
-        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)  # e4m3fn's only NaN: a scale past 448
-
-    @triton.jit
-    def _ue8m0_scale(bits):
-        """2 ** (bits - 127) from its bit pattern (bits 0: the float32 subnormal 2 ** -127)."""
-        return tl.where(bits == 0, (1 << 22), bits << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _unpack_kernel(codes_ptr, scales_ptr, values_ptr, out_ptr, half, n_scales, block, E4M3: tl.constexpr,
                        HALF: tl.constexpr):
         """One row: byte j holds elements 2j (low nibble) and 2j + 1 (high); each element times its
@@ -147,11 +133,11 @@ if triton is not None:
         low_scale = tl.load(scales_ptr + row * n_scales + (2 * j) // block, mask=inside, other=0).to(tl.int32)
         high_scale = tl.load(scales_ptr + row * n_scales + (2 * j + 1) // block, mask=inside, other=0).to(tl.int32)
         if E4M3:
-            low_factor = _e4m3_scale(low_scale)
-            high_factor = _e4m3_scale(high_scale)
+            low_factor = _e4m3_to_float(low_scale)
+            high_factor = _e4m3_to_float(high_scale)
         else:
-            low_factor = _ue8m0_scale(low_scale)
-            high_factor = _ue8m0_scale(high_scale)
+            low_factor = _e8m0_to_float(low_scale)
+            high_factor = _e8m0_to_float(high_scale)
         out_row = out_ptr + row * 2 * half
         tl.store(out_row + 2 * j, (low * low_factor).to(out_ptr.dtype.element_ty), mask=inside)
         tl.store(out_row + 2 * j + 1, (high * high_factor).to(out_ptr.dtype.element_ty), mask=inside)

@@ -32,6 +32,8 @@ from kernels.quant import dequantize_mxfp4
 try:
     import triton
     import triton.language as tl
+
+    from kernels.quant import _e8m0_to_float
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
@@ -222,7 +224,7 @@ if triton is not None:
         byte = tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :], mask=mask, other=0).to(tl.int32)
         exponent = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + (half // 16)[None, :], mask=mask,
                            other=127).to(tl.int32)
-        scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
+        scale = _e8m0_to_float(exponent)
         products = _e2m1(byte & 15) * x_even[None, :] + _e2m1(byte >> 4) * x_odd[None, :]
         return tl.sum(products * scale, axis=1)
 

@@ -4,10 +4,18 @@
   fine-grained FP8 format, `scale` in the original release), real = value * scale.
 - MXFP4 experts: E2M1 values packed two per byte (low nibble = even index) with one power-of-two
   E8M0 scale per 32 values along the input dim.
-The quantizers exist for building test checkpoints; serving only dequantizes.
+The quantizers exist for building test checkpoints; serving only dequantizes. The Triton helpers at
+the end decode single values of these formats from their bits inside kernels (`tl.exp2` is approximate
+on the GPU, and lookup tables cost a gather per value).
 """
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references run
+    triton = None
 
 FP8_BLOCK = 128
 MXFP4_BLOCK = 32  # also the E8M0 scale block of Engram rows
@@ -65,3 +73,21 @@ def quantize_mxfp4(weight: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torc
     codes = codes.view(*w.shape[:-1], -1, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return packed, (exponent + 127).to(torch.uint8)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_to_float(bits):
+        """float8_e4m3fn bits -> float32, from the bit pattern (any GPU, and Triton's interpreter): sign,
+        4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (mantissa x 2 ** -9), 0x7F NaN."""
+        sign, exponent, mantissa = (bits >> 7) & 1, (bits >> 3) & 15, bits & 7
+        normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = mantissa.to(tl.float32) * 0.001953125 * (1.0 - 2.0 * sign.to(tl.float32))
+        value = tl.where(exponent == 0, subnormal, normal)
+        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+
+    @triton.jit
+    def _e8m0_to_float(exponent):
+        """E8M0 exponents (int32) -> 2 ** (exponent - 127) as float32, from the bits (0: the subnormal 2 ** -127)."""
+        return tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)

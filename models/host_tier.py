@@ -56,6 +56,7 @@ class HotRing:
         self.trash = ring_pages
         self.location = torch.full((num_pages,), -1, dtype=torch.long, device=device)
         self.held: OrderedDict[int, int] = OrderedDict()  # page -> ring page, least recently wanted first
+        self.free = list(range(ring_pages - 1, -1, -1))  # ring pages no page holds
         self.stores: list[TieredPages] = []
         self.filled_pages = 0  # pages copied host -> ring so far
         self._last: list[int] = []  # the last step's wanted pages: most steps want the same again
@@ -80,16 +81,17 @@ class HotRing:
         missing = [page for page in wanted if page not in self.held]
         if not missing:
             return
-        keep = set(wanted)
-        free = sorted(set(range(self.ring_pages)) - set(self.held.values()))
-        evicted = []
-        for page in list(self.held):
-            if len(free) >= len(missing):
-                break
-            if page not in keep:
-                free.append(self.held.pop(page))
-                evicted.append(page)
-        locations = free[: len(missing)]
+        evicted: list[int] = []
+        if len(missing) > len(self.free):  # the least recently wanted pages this step does not want leave
+            keep = set(wanted)
+            for page in self.held:
+                if page not in keep:
+                    evicted.append(page)
+                    if len(evicted) == len(missing) - len(self.free):
+                        break
+        for page in evicted:
+            self.free.append(self.held.pop(page))
+        locations = [self.free.pop() for _ in missing]
         for page, location in zip(missing, locations):
             self.held[page] = location
         device = self.location.device
@@ -133,10 +135,6 @@ class TieredPages:
     @property
     def shape(self) -> torch.Size:
         return self.host.shape
-
-    @property
-    def scale_format(self) -> str:
-        return self.host.scale_format
 
     def tensors(self) -> list[torch.Tensor]:
         """The host tier's byte tensors, page first (what page copies walk)."""
