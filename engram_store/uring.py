@@ -10,16 +10,36 @@ page, so a caller fails exactly the rows on that page.
 from __future__ import annotations
 
 import errno
+import fcntl
+import importlib
 import mmap
 import os
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
-import liburing
-
 from engram_store.format import PAGE
+
+LIBURING_IMPORT_LOCK = Path(tempfile.gettempdir()) / f"ds4serve-liburing-import-{os.getuid()}.lock"
+
+
+def import_liburing() -> ModuleType:
+    """Import `liburing` under an exclusive file lock shared by every process of this user.
+
+    liburing's package loader (`dynamic_import`) keeps a cache file beside the package and, when it
+    finds the cache stale, deletes and rebuilds it; two processes doing that at once (TP ranks that
+    start together) race, and the loser's `remove` fails with FileNotFoundError. One importer at a
+    time makes the rebuild happen once.
+    """
+    with open(LIBURING_IMPORT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return importlib.import_module("liburing")
+
+
+liburing = import_liburing()
 
 POLL_S = 20e-6
 PageKey = tuple[int, int]  # (file index, page number)

@@ -3,7 +3,10 @@ requests that needed the bad rows, and the reaping path holds up under load."""
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing
 import os
+import queue
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +217,31 @@ def test_a_fully_cached_step_is_gathered_in_one_op_from_the_cache(checkpoints, t
         assert store.layers[index].gather_hits(ids.numpy().reshape(-1), store.stats) is not None
         assert torch.equal(store.rows(index, ids), expected)
         assert store.reader.reads == reads and store.stats.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
+
+
+
+def _import_uring(results) -> None:
+    try:
+        import engram_store.uring  # noqa: F401
+
+        results.put("ok")
+    except Exception as error:  # the failure is what the test reports
+        results.put(repr(error))
+
+
+def test_liburing_is_imported_by_one_process_at_a_time():
+    """liburing's loader deletes and rebuilds a stale cache file beside the package; two TP ranks doing
+    it at once failed one of them in CI (FileNotFoundError). While another process holds the import
+    lock, a rank's import waits, then succeeds once the lock is released."""
+    from engram_store.uring import LIBURING_IMPORT_LOCK
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with open(LIBURING_IMPORT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rank = context.Process(target=_import_uring, args=(results,))
+        rank.start()
+        with pytest.raises(queue.Empty):
+            results.get(timeout=5)
+    assert results.get(timeout=60) == "ok"
+    rank.join()
