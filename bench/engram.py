@@ -15,6 +15,9 @@ tok_s, prefetch_wait_p50_ms, prefetch_wait_p99_ms, hit_rate, iops, plus machine 
 `--cuda-graphs` runs the model in bf16 with decode steps replaying CUDA graphs and adds
 `graph_engram_wait_ms` (per step: the time a step waits for its rows before its replay);
 `--engram-layers` picks the Engram layers (0 puts one first, where no layer runs before the wait).
+`--fetch-only` times only the Engram fetch of a decode step per tier (gpu, host, disk_warm; median of
+--steps fetches, then of --runs interleaved rounds) and prints `fetch_ms` and `extra_ms_vs_gpu`: the
+host work a tier adds to every step, measurable on a CPU too.
 """
 
 from __future__ import annotations
@@ -147,15 +150,51 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
     }
 
 
+def fetch_once(runner: ModelRunner, prompts: list[list[int]]) -> float:
+    """Seconds one decode step's Engram fetch takes (`engram_rows`: hashing, the tier's lookups and
+    reads, rows ready on the device), the sequences' look-backs restored after it so that every call
+    asks for the same rows."""
+    context = runner.cache.engram_context
+    saved = context.clone()
+    slots = list(range(len(prompts)))
+    began = time.perf_counter()
+    runner.model.engram_rows(slots, [p[-1] for p in prompts], [len(p) for p in prompts], runner.cache)
+    if runner.device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - began
+    context.copy_(saved)
+    return elapsed
+
+
+def fetch_only(runners: dict[str, ModelRunner], args: argparse.Namespace, machine: str, commit: str) -> None:
+    """--fetch-only: the Engram fetch of a decode step alone, per tier (gpu, host, disk_warm), without
+    the model: the host time a tier adds to every step. Rounds interleave the tiers; medians."""
+    vocab = runners["gpu"].model.config.vocab_size
+    for concurrency in args.concurrency:
+        prompts = zipf_prompts(vocab, concurrency, args.prompt_len, args.zipf, seed=0)
+        for runner in runners.values():
+            run_once(runner, prompts, 0)  # the prompts' look-backs in the cache
+            fetch_once(runner, prompts)  # disk: the rows read and cached (warm from here on)
+        times: dict[str, list[float]] = {"gpu": [], "host": [], "disk_warm": []}
+        for _ in range(args.runs):
+            for mode, samples in times.items():
+                runner = runners["disk" if mode == "disk_warm" else mode]
+                samples.append(statistics.median(fetch_once(runner, prompts) for _ in range(args.steps)))
+        gpu_ms = 1000 * statistics.median(times["gpu"])
+        for mode, samples in times.items():
+            fetch_ms = 1000 * statistics.median(samples)
+            print(json.dumps({"bench": "engram_fetch", "mode": mode, "concurrency": concurrency, "fetch_ms": fetch_ms,
+                              "extra_ms_vs_gpu": fetch_ms - gpu_ms, "runs": args.runs, "steps": args.steps,
+                              "device": machine, "commit": commit}), flush=True)
+
+
 def clear_caches(runner: ModelRunner) -> None:
     for layer in getattr(runner.model.engram_memory.source, "layers", []):
         if hasattr(layer, "host_cache"):
-            cache = layer.host_cache
-            cache.probation.clear(), cache.protected.clear()
-            cache.free_slots = list(range(cache.capacity - 1, -1, -1))
+            layer.host_cache.clear()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/ds4-engram-bench"))
     parser.add_argument("--table-gb", type=float, default=4.0)
@@ -168,7 +207,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="bf16, decode steps on CUDA graphs")
     parser.add_argument("--engram-layers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--profile", nargs="+", default=[], choices=["gpu", "host", "disk_cold", "disk_warm"])
-    args = parser.parse_args()
+    parser.add_argument("--fetch-only", action="store_true", help="time the Engram fetch of a step alone, per tier")
+    args = parser.parse_args(argv)
     layers = "-".join(map(str, args.engram_layers))
     model_dir = make_checkpoint(args.dir / f"model-engram-{layers}", args.table_gb, args.engram_layers)
     table_bytes = sum(p.stat().st_size for p in model_dir.glob("engram.safetensors"))
@@ -186,6 +226,9 @@ def main() -> None:
         runners[name] = ModelRunner(model, max(args.concurrency), max_len, device=args.device, cuda_graphs=args.cuda_graphs)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if args.fetch_only:
+        fetch_only(runners, args, machine, commit)
+        return
     vocab = runners["gpu"].model.config.vocab_size
     for concurrency in args.concurrency:
         results: dict[str, list[dict]] = {m: [] for m in ("gpu", "host", "disk_cold", "disk_warm")}

@@ -1,25 +1,34 @@
-"""Row cache for Engram rows: a fixed array of row slots plus a segmented-LRU index.
+"""Row cache for Engram rows: a fixed array of row slots, a row -> slot index and a CLOCK policy with
+hit credits, every operation over a whole batch of rows.
 
 n-gram traffic is Zipfian: a small head of rows is hit over and over, a long tail once. Plain LRU
-lets a burst of one-off tail rows flush the head; segmented LRU (SLRU) admits new rows into a
-probation segment and promotes them to the protected segment (80% of the slots) only on a second hit,
-so one-off rows evict each other instead of the head. bench/engram.py measures the hit rate on a
-Zipf trace. The storage is one preallocated tensor (host RAM or device memory): the cache never
-allocates after construction. A host cache serving a GPU keeps its rows in pinned, mapped memory
+lets a burst of one-off tail rows flush the head. Here a new row enters with no credit and each hit
+adds one (up to MAX_CREDIT); the clock hand evicts the first slot it finds without credit and takes
+one credit from every slot it passes. A one-off row is gone at the hand's next pass, a head row
+survives MAX_CREDIT passes without a hit (the GCLOCK family; `python -m bench.row_cache` measures the
+hit rate against plain LRU on a Zipf trace). Lookups are one dict read per row and one array update
+per batch, inserts one sweep and one storage copy per batch: no Python loop per row on the paths the
+model's thread and the I/O thread take every step.
+
+The storage is one preallocated tensor (host RAM or device memory): the cache never allocates after
+construction. A host cache serving a GPU keeps its rows in pinned, mapped memory
 (kernels/host_memory.py): the I/O thread writes them with memory copies, the model's step gathers
 the hits on the GPU straight from it (`view`), so a hit costs no host gather, staging or transfer.
+Callers serialise access (DiskLayer's lock).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
+from itertools import repeat
 
 import numpy as np
 import torch
 
 from kernels.host_memory import mapped_host_bytes
 
-PROTECTED_SHARE = 0.8
+MAX_CREDIT = 3
+FREE = -1  # row_of_slot of a slot no row holds
 
 
 class RowCache:
@@ -34,58 +43,77 @@ class RowCache:
         else:
             self.storage = torch.zeros(self.capacity, row_bytes, dtype=torch.uint8, device=device)
             self.view = self.storage
-        self.probation: OrderedDict[int, int] = OrderedDict()  # row -> slot, oldest first
-        self.protected: OrderedDict[int, int] = OrderedDict()
-        self.free_slots = list(range(self.capacity - 1, -1, -1))
-        self.protected_limit = int(self.capacity * PROTECTED_SHARE)
+        self.index: dict[int, int] = {}
+        self.row_of_slot = np.full(self.capacity, FREE, dtype=np.int64)
+        self.credit = np.zeros(self.capacity, dtype=np.uint8)
+        self.hand = 0
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
-        return len(self.probation) + len(self.protected)
+        return len(self.index)
+
+    def clear(self) -> None:
+        """Forgets every row (the storage keeps its bytes, unreachable)."""
+        self.index.clear()
+        self.row_of_slot.fill(FREE)
+        self.credit.fill(0)
+        self.hand = 0
+
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """Slot of each row, FREE where the row is not cached; no credit, no counting."""
+        return np.fromiter(map(self.index.get, rows.tolist(), repeat(FREE)), dtype=np.int64, count=len(rows))
 
     def lookup(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For distinct `rows`: (hit mask, slots of the hits); hits are promoted."""
-        hit = np.zeros(len(rows), dtype=bool)
-        slots = []
-        for i, row in enumerate(rows.tolist()):
-            slot = self._touch(row)
-            if slot is not None:
-                hit[i] = True
-                slots.append(slot)
-        self.hits += int(hit.sum())
-        self.misses += len(rows) - int(hit.sum())
-        return hit, np.asarray(slots, dtype=np.int64)
+        """For distinct `rows`: (hit mask, slots of the hits); each hit earns its row a credit."""
+        slots = self.slots_of(rows)
+        hit = slots != FREE
+        self.credit_hits(slots[hit])
+        self.misses += len(rows) - len(slots[hit])
+        return hit, slots[hit]
+
+    def credit_hits(self, slots: np.ndarray) -> None:
+        """Counts a hit on each distinct slot of `slots` (repeats allowed) and gives it one credit."""
+        self.hits += len(set(slots.tolist()))
+        self.credit[slots] = np.minimum(self.credit[slots] + 1, MAX_CREDIT)
 
     def absent(self, rows: np.ndarray) -> np.ndarray:
-        """Mask of the rows not cached; no promotion and no hit counting (prefetch hints use it)."""
-        return np.fromiter((r not in self.protected and r not in self.probation for r in rows.tolist()), bool, len(rows))
+        """Mask of the rows not cached; no credit and no hit counting (prefetch hints use it)."""
+        return self.slots_of(rows) == FREE
 
-    def _touch(self, row: int) -> int | None:
-        if row in self.protected:
-            self.protected.move_to_end(row)
-            return self.protected[row]
-        slot = self.probation.pop(row, None)
-        if slot is None:
-            return None
-        self.protected[row] = slot
-        if len(self.protected) > self.protected_limit:  # demote the coldest protected row
-            demoted, demoted_slot = self.protected.popitem(last=False)
-            self.probation[demoted] = demoted_slot
-        return slot
-
-    def insert(self, rows: list[int], data: torch.Tensor) -> None:
-        """Adds rows (not present) with their bytes [n, row_bytes], evicting probation first."""
-        if self.capacity == 0:
+    def insert(self, rows: np.ndarray, data: torch.Tensor) -> None:
+        """Adds distinct rows with their bytes [n, row_bytes], evicting by the clock. Rows already
+        cached are skipped: a hint's read and a step's read of the same row can both finish."""
+        fresh = self.slots_of(rows) == FREE
+        if not fresh.all():
+            rows, data = rows[fresh], data[torch.from_numpy(fresh)]
+        if self.capacity == 0 or len(rows) == 0:
             return
         if len(rows) > self.capacity:
             rows, data = rows[-self.capacity :], data[-self.capacity :]
-        for row, payload in zip(rows, data):
-            slot = self._free_slot()
-            self.storage[slot].copy_(payload)
-            self.probation[row] = slot
+        slots = self._claim(len(rows))
+        evicted = self.row_of_slot[slots]
+        deque(map(self.index.__delitem__, evicted[evicted != FREE].tolist()), maxlen=0)
+        self.index.update(zip(rows.tolist(), slots.tolist()))
+        self.row_of_slot[slots] = rows
+        self.credit[slots] = 0
+        target = torch.from_numpy(slots)
+        self.storage[target.to(self.storage.device)] = data.to(self.storage.device)
 
-    def _free_slot(self) -> int:
-        if self.free_slots:
-            return self.free_slots.pop()
-        victim_segment = self.probation if self.probation else self.protected
-        return victim_segment.popitem(last=False)[1]
+    def _claim(self, n: int) -> np.ndarray:
+        """n distinct slots: the hand's next slots without credit (free slots have none), taking one
+        credit from each slot it passes on the way. Terminates: every full turn of the hand lowers
+        every passed credit, so within MAX_CREDIT + 1 turns every slot qualifies."""
+        claimed: list[np.ndarray] = []
+        need = n
+        while need:
+            end = min(self.capacity, self.hand + 4 * need + 64)  # the window stops at the end; the hand wraps
+            credit = self.credit[self.hand : end]
+            free = np.flatnonzero(credit == 0)[:need]
+            passed = end - self.hand if len(free) < need else int(free[-1]) + 1
+            np.subtract(credit[:passed], 1, out=credit[:passed], where=credit[:passed] > 0)  # a view: in place
+            chosen = free + self.hand
+            self.credit[chosen] = MAX_CREDIT + 1  # not chosen twice by a later turn of this claim
+            claimed.append(chosen)
+            need -= len(chosen)
+            self.hand = (self.hand + passed) % self.capacity
+        return np.concatenate(claimed) if len(claimed) > 1 else claimed[0]

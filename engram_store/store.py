@@ -2,8 +2,8 @@
 
 Tiers, chosen per layer (`engram.residency`, per-layer overrides):
 - gpu: the whole table in the compute device's memory; host: the whole table in (pinned) RAM;
-- disk: the table file (format.py) on NVMe, read through io_uring, with a host row cache (SLRU) and
-  optionally a device row cache in front of it.
+- disk: the table file (format.py) on NVMe, read through io_uring, with a host row cache (cache.py:
+  CLOCK with hit credits) and optionally a device row cache in front of it.
 The model calls `prefetch(row ids of the step, every Engram layer)` as soon as it has hashed the step's
 tokens: disk layers dedupe the rows, serve cache hits and queue the misses on the I/O thread, so the
 reads overlap the layers that run before the first Engram layer. `rows(layer, ids)` then waits only for
@@ -27,14 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram_store.cache import RowCache
-from engram_store.format import TableHeader, check_page
+from engram_store.cache import FREE, RowCache
+from engram_store.format import PAGE, TableHeader, check_page
 from engram_store.uring import UringPageReader
 from kernels import gather_engram_rows
 from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
 
 log = logging.getLogger("ds4serve.engram")
 RESIDENCIES = ("gpu", "host", "disk")
+ZERO_PAGE = bytes(PAGE)  # stands in for a page that failed: its rows are zeroed and reported
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,19 @@ class DiskLayer:
         h = self.header
         if self.resident_scales is not None or h.value_dtype != "float8_e4m3fn" or h.scale_dtype != "e8m0":
             return None
-        unique, inverse = np.unique(ids, return_inverse=True)
         with self.lock:
             for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
-                if cache is None or cache.absent(unique).any():
+                if cache is None:
                     continue
-                _, slots = cache.lookup(unique)  # promotes and counts the hits
-                slot_ids = torch.from_numpy(slots[inverse]).to(cache.view.device)
+                slots = cache.slots_of(ids)  # repeated rows are looked up again: cheaper than deduping
+                if (slots == FREE).any():
+                    continue
+                hits_before = cache.hits
+                cache.credit_hits(slots)
+                slot_ids = torch.from_numpy(slots).to(cache.view.device)
                 values = cache.view[:, : h.value_bytes].view(torch.float8_e4m3fn)
                 rows = gather_engram_rows(values, cache.view[:, h.value_bytes :], slot_ids).to(self.device)
-                setattr(stats, counter, getattr(stats, counter) + len(unique))
+                setattr(stats, counter, getattr(stats, counter) + cache.hits - hits_before)
                 self._gathered()
                 return rows
         return None
@@ -149,30 +153,30 @@ class DiskLayer:
 
     def read(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
         """Reads distinct `rows` from the file (on the I/O thread), caches the good ones, and says why
-        each unusable row failed."""
+        each unusable row failed. Rows are cut out of their pages by one gather, not row by row."""
         h = self.header
-        raw = torch.zeros(len(rows), h.row_bytes, dtype=torch.uint8)
         pages, offsets = h.page_of(rows)
-        keys = sorted({(self.file_index, int(p)) for p in pages})
+        distinct, page_index = np.unique(pages, return_inverse=True)
+        keys = [(self.file_index, int(page)) for page in distinct]
         got, bad = reader.read_pages(keys, lambda key, page: check_page(page, key[1], h.table_id))
-        failed: dict[int, str] = {}
-        loaded = []
-        for i, (page, offset) in enumerate(zip(pages.tolist(), offsets.tolist())):
-            key = (self.file_index, page)
-            if key in got:
-                raw[i] = torch.frombuffer(bytearray(got[key][offset : offset + h.row_bytes]), dtype=torch.uint8)
-                loaded.append(i)
-            else:
-                failed[int(rows[i])] = f"Engram layer {h.layer_id} row {int(rows[i])} (page {page}): {bad[key]}"
-        stats.rows_disk += len(loaded)
+        read_ok = np.array([key in got for key in keys], dtype=bool)
+        data = np.frombuffer(b"".join(got.get(key, ZERO_PAGE) for key in keys), dtype=np.uint8)
+        starts = page_index.reshape(-1) * PAGE + offsets
+        raw = torch.from_numpy(data[starts[:, None] + np.arange(h.row_bytes)])
+        loaded = read_ok[page_index.reshape(-1)]
+        failed = {int(row): f"Engram layer {h.layer_id} row {int(row)} (page {int(page)}): {bad[(self.file_index, int(page))]}"
+                  for row, page in zip(rows[~loaded], pages[~loaded])}
+        raw[torch.from_numpy(~loaded)] = 0
+        stats.rows_disk += int(loaded.sum())
         stats.bytes_read, stats.read_errors = reader.bytes_read, reader.errors
-        if loaded:
+        if loaded.any():
             with self.lock:
                 if self.reads_done is not None:
                     self.reads_done.synchronize()  # no slot a queued gather still reads is overwritten
-                self.host_cache.insert(rows[loaded].tolist(), raw[loaded])
+                good = torch.from_numpy(loaded)
+                self.host_cache.insert(rows[loaded], raw[good])
                 if self.device_cache is not None:
-                    self.device_cache.insert(rows[loaded].tolist(), raw[loaded].to(self.device_cache.storage.device))
+                    self.device_cache.insert(rows[loaded], raw[good])
         return raw, failed
 
     def decode(self, raw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -265,6 +269,11 @@ class EngramStore:
                 tensors += [c.storage for c in (layer.host_cache, layer.device_cache) if c is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def reads_disk(self) -> bool:
+        """Whether some layer reads from disk (only then are hints worth hashing)."""
+        return self.reader is not None
+
     # -- the scheduler's side --------------------------------------------------------------------
     def hint(self, request_ids: list[str], row_ids: torch.Tensor) -> None:
         """Warms the host cache for rows that requests will need next (row_ids [T, L, C]); skipped if
@@ -302,6 +311,9 @@ class EngramStore:
                 if request_ids:  # a hint: only what the host cache lacks
                     with disk_layer.lock:
                         rows = rows[disk_layer.host_cache.absent(rows)]
+                    if not len(rows):
+                        future.set_result((torch.zeros(0, disk_layer.header.row_bytes, dtype=torch.uint8), {}))
+                        continue
                 future.set_result(disk_layer.read(rows, self.reader, self.stats))
             except Exception as exc:  # a failure here must not kill the thread the model waits on
                 log.exception("Engram fetch failed")

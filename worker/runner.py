@@ -192,8 +192,8 @@ class ModelRunner:
     def _hint_next_rows(self, plan: StepPlan, results: list[ChunkResult]) -> None:
         """Sampled tokens are the next step's inputs: their Engram rows can be read now."""
         memory = getattr(self.model, "engram_memory", None)
-        hint = getattr(getattr(memory, "source", None), "hint", None)
-        if hint is None:
+        source = getattr(memory, "source", None)
+        if not getattr(source, "reads_disk", False):  # every row resident: nothing to read ahead
             return
         sampled = [(chunk, result.sampled.token_id) for chunk, result in zip(plan.chunks, results) if result.sampled]
         if not sampled:
@@ -201,7 +201,7 @@ class ModelRunner:
         slots = torch.tensor([chunk.slot for chunk, _ in sampled])
         contexts = self.cache.engram_context[slots.to(self.cache.engram_context.device)].cpu().numpy()
         ids = memory.next_row_ids(np.array([token for _, token in sampled]), contexts)  # this rank's rows
-        hint([chunk.request_id for chunk, _ in sampled], ids)  # one hint a step
+        source.hint([chunk.request_id for chunk, _ in sampled], ids)  # one hint a step
 
     def engram_stats(self) -> dict:
         """The Engram store's counters as EngineStats fields (empty without a tiered store)."""
