@@ -15,9 +15,10 @@ tok_s, prefetch_wait_p50_ms, prefetch_wait_p99_ms, hit_rate, iops, plus machine 
 `--cuda-graphs` runs the model in bf16 with decode steps replaying CUDA graphs and adds
 `graph_engram_wait_ms` (per step: the time a step waits for its rows before its replay);
 `--engram-layers` picks the Engram layers (0 puts one first, where no layer runs before the wait).
-`--fetch-only` times only the Engram fetch of a decode step per tier (gpu, host, disk_warm; median of
---steps fetches, then of --runs interleaved rounds) and prints `fetch_ms` and `extra_ms_vs_gpu`: the
-host work a tier adds to every step, measurable on a CPU too.
+`--fetch-only` times only the Engram fetch of a decode step per tier (gpu, host, disk_cold with every
+row read while the step waits, disk_warm; median of --steps fetches, then of --runs interleaved rounds)
+and prints `fetch_ms` and `extra_ms_vs_gpu`: the host work a tier adds to every step, measurable on a
+CPU too.
 """
 
 from __future__ import annotations
@@ -150,12 +151,14 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
     }
 
 
-def fetch_once(runner: ModelRunner, prompts: list[list[int]]) -> float:
+def fetch_once(runner: ModelRunner, prompts: list[list[int]], cold: bool = False) -> float:
     """Seconds one decode step's Engram fetch takes (`engram_rows`: hashing, the tier's lookups and
     reads, rows ready on the device), the sequences' look-backs restored after it so that every call
-    asks for the same rows."""
+    asks for the same rows. `cold`: the row caches emptied first, so every row is read from disk."""
     context = runner.cache.engram_context
     saved = context.clone()
+    if cold:
+        clear_caches(runner)
     slots = list(range(len(prompts)))
     began = time.perf_counter()
     runner.model.engram_rows(slots, [p[-1] for p in prompts], [len(p) for p in prompts], runner.cache)
@@ -167,19 +170,23 @@ def fetch_once(runner: ModelRunner, prompts: list[list[int]]) -> float:
 
 
 def fetch_only(runners: dict[str, ModelRunner], args: argparse.Namespace, machine: str, commit: str) -> None:
-    """--fetch-only: the Engram fetch of a decode step alone, per tier (gpu, host, disk_warm), without
-    the model: the host time a tier adds to every step. Rounds interleave the tiers; medians."""
+    """--fetch-only: the Engram fetch of a decode step alone, per tier, without the model: the host
+    time a tier adds to every step. disk_cold reads every row of the step from disk while the step
+    waits (no hint started them a step earlier): the worst case. Rounds interleave the tiers; medians."""
     vocab = runners["gpu"].model.config.vocab_size
     for concurrency in args.concurrency:
         prompts = zipf_prompts(vocab, concurrency, args.prompt_len, args.zipf, seed=0)
         for runner in runners.values():
             run_once(runner, prompts, 0)  # the prompts' look-backs in the cache
             fetch_once(runner, prompts)  # disk: the rows read and cached (warm from here on)
-        times: dict[str, list[float]] = {"gpu": [], "host": [], "disk_warm": []}
+        times: dict[str, list[float]] = {"gpu": [], "host": [], "disk_cold": [], "disk_warm": []}
         for _ in range(args.runs):
             for mode, samples in times.items():
-                runner = runners["disk" if mode == "disk_warm" else mode]
-                samples.append(statistics.median(fetch_once(runner, prompts) for _ in range(args.steps)))
+                runner = runners["disk" if mode.startswith("disk") else mode]
+                cold = mode == "disk_cold"
+                samples.append(statistics.median(fetch_once(runner, prompts, cold) for _ in range(args.steps)))
+                if cold:
+                    fetch_once(runner, prompts)  # warm again for disk_warm
         gpu_ms = 1000 * statistics.median(times["gpu"])
         for mode, samples in times.items():
             fetch_ms = 1000 * statistics.median(samples)

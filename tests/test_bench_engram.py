@@ -24,7 +24,7 @@ def test_fetch_only_times_each_tier_against_the_resident_one(tmp_path, capsys):
     main(["--dir", str(tmp_path), "--table-gb", "0.01", "--runs", "2", "--steps", "3", "--prompt-len", "8",
           "--concurrency", "1", "4", "--device", "cpu", "--fetch-only"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 4) for m in ("gpu", "host", "disk_warm")]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 4) for m in ("gpu", "host", "disk_cold", "disk_warm")]
     gpu_ms = {r["concurrency"]: r["fetch_ms"] for r in rows if r["mode"] == "gpu"}
     for row in rows:
         assert row["bench"] == "engram_fetch" and row["fetch_ms"] > 0
