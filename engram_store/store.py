@@ -29,7 +29,7 @@ import torch
 
 from engram_store.cache import FREE, RowCache
 from engram_store.format import PAGE, TableHeader, check_page
-from engram_store.uring import UringPageReader
+from engram_store.uring import PageKey, UringPageReader
 from kernels import gather_engram_rows
 from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
 
@@ -151,14 +151,18 @@ class DiskLayer:
             self.reads_done = torch.cuda.Event()
             self.reads_done.record()
 
-    def read(self, rows: np.ndarray, reader: UringPageReader, stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
-        """Reads distinct `rows` from the file (on the I/O thread), caches the good ones, and says why
-        each unusable row failed. Rows are cut out of their pages by one gather, not row by row."""
+    def page_keys(self, rows: np.ndarray) -> list[PageKey]:
+        """The distinct pages of the file that hold `rows`."""
+        return [(self.file_index, int(page)) for page in np.unique(self.header.page_of(rows)[0])]
+
+    def take(self, rows: np.ndarray, got: dict[PageKey, bytes], bad: dict[PageKey, str],
+             stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
+        """Cuts distinct `rows` out of the verified pages `got` (one gather, not row by row), caches
+        them, and says why each row whose page failed (`bad`) is unusable; those come back as zeros."""
         h = self.header
         pages, offsets = h.page_of(rows)
         distinct, page_index = np.unique(pages, return_inverse=True)
         keys = [(self.file_index, int(page)) for page in distinct]
-        got, bad = reader.read_pages(keys, lambda key, page: check_page(page, key[1], h.table_id))
         read_ok = np.array([key in got for key in keys], dtype=bool)
         data = np.frombuffer(b"".join(got.get(key, ZERO_PAGE) for key in keys), dtype=np.uint8)
         starts = page_index.reshape(-1) * PAGE + offsets
@@ -168,7 +172,6 @@ class DiskLayer:
                   for row, page in zip(rows[~loaded], pages[~loaded])}
         raw[torch.from_numpy(~loaded)] = 0
         stats.rows_disk += int(loaded.sum())
-        stats.bytes_read, stats.read_errors = reader.bytes_read, reader.errors
         if loaded.any():
             with self.lock:
                 if self.reads_done is not None:
@@ -198,7 +201,7 @@ class EngramStore:
         self.layers, self.reader, self.device = layers, reader, device
         self.stats = StoreStats()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
-        self._pending: dict[int, tuple[np.ndarray, Future]] = {}
+        self._pending: dict[int, tuple | torch.Tensor] = {}
         self._failed: dict[int, str] = {}
         self._cancelled: set[str] = set()
         self._order = 0
@@ -210,21 +213,29 @@ class EngramStore:
     # -- the model's side ------------------------------------------------------------------------
     def prefetch(self, row_ids: torch.Tensor) -> None:
         """row_ids [T, engram layers, columns] of the step about to run: serves cache hits now and
-        starts the disk layers' reads of the rest."""
+        starts the disk layers' reads of the rest, every layer's in one job (one queue of reads)."""
         self._failed = {}
-        self._pending = {index: self._start(index, row_ids[:, index]) for index, layer in enumerate(self.layers)
-                         if isinstance(layer, DiskLayer)}
+        self._pending = self._start({index: row_ids[:, index] for index, layer in enumerate(self.layers)
+                                     if isinstance(layer, DiskLayer)})
 
-    def _start(self, index: int, row_ids: torch.Tensor) -> tuple | torch.Tensor:
-        """What rows() needs for a disk layer: the decoded rows already (every row cached), or the
-        distinct rows, the cached ones' bytes and the reads of the rest."""
-        ready = self.layers[index].gather_hits(row_ids.numpy().reshape(-1), self.stats)
-        if ready is not None:
-            return ready
-        unique = np.unique(row_ids.numpy())
-        raw, missing = self.layers[index].cached(unique, self.stats)
-        future = self._submit(priority=0, layer=index, rows=unique[missing]) if missing.any() else None
-        return unique, raw, missing, future
+    def _start(self, row_ids: dict[int, torch.Tensor]) -> dict[int, tuple | torch.Tensor]:
+        """What rows() needs for each of these disk layers: the decoded rows already (every row
+        cached), or the distinct rows, the cached ones' bytes, the missing mask and the read job."""
+        started: dict[int, tuple | torch.Tensor] = {}
+        reads: dict[int, np.ndarray] = {}
+        for index, ids in row_ids.items():
+            ready = self.layers[index].gather_hits(ids.numpy().reshape(-1), self.stats)
+            if ready is not None:
+                started[index] = ready
+                continue
+            unique = np.unique(ids.numpy())
+            raw, missing = self.layers[index].cached(unique, self.stats)
+            started[index] = (unique, raw, missing)
+            if missing.any():
+                reads[index] = unique[missing]
+        future = self._submit(priority=0, reads=reads) if reads else None
+        return {index: (*state, future if index in reads else None) if isinstance(state, tuple) else state
+                for index, state in started.items()}
 
     def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
         """[T, columns, row_dim] float32 rows on the compute device; waits for this layer's reads."""
@@ -235,7 +246,7 @@ class EngramStore:
         ids = row_ids.numpy()
         pending = self._pending.pop(layer_index, None)
         if pending is None:
-            pending = self._start(layer_index, row_ids)
+            pending = self._start({layer_index: row_ids})[layer_index]
         if isinstance(pending, torch.Tensor):  # every row was cached: nothing to wait for
             self.stats.record_wait(0.0)
             return pending.view(*row_ids.shape, -1)
@@ -243,7 +254,7 @@ class EngramStore:
         failed: dict[int, str] = {}
         started = time.perf_counter()
         if future is not None:
-            read_raw, failed = future.result()
+            read_raw, failed = future.result()[layer_index]
             raw[torch.from_numpy(missing).to(raw.device)] = read_raw.to(raw.device)
         self.stats.record_wait(time.perf_counter() - started)
         index = torch.from_numpy(np.searchsorted(unique, ids.reshape(-1))).to(raw.device)
@@ -278,28 +289,30 @@ class EngramStore:
     def hint(self, request_ids: list[str], row_ids: torch.Tensor) -> None:
         """Warms the host cache for rows that requests will need next (row_ids [T, L, C]); skipped if
         every one of `request_ids` was aborted before the I/O thread gets to it."""
-        for index, layer in enumerate(self.layers):
-            if isinstance(layer, DiskLayer):
-                self._submit(priority=1, layer=index, rows=np.unique(row_ids[:, index].numpy()),
-                             request_ids=tuple(request_ids))
+        reads = {index: np.unique(row_ids[:, index].numpy()) for index, layer in enumerate(self.layers)
+                 if isinstance(layer, DiskLayer)}
+        if reads:
+            self._submit(priority=1, reads=reads, request_ids=tuple(request_ids))
 
     def cancel(self, request_id: str) -> None:
         """Drops the request's hints that have not been read yet."""
         self._cancelled.add(request_id)
 
     # -- the I/O thread --------------------------------------------------------------------------
-    def _submit(self, priority: int, layer: int, rows: np.ndarray, request_ids: tuple[str, ...] = ()) -> Future:
+    def _submit(self, priority: int, reads: dict[int, np.ndarray], request_ids: tuple[str, ...] = ()) -> Future:
+        """Queues one read job: distinct rows per disk layer. Its future gives, per layer, the rows'
+        bytes and why each unusable row failed."""
         future: Future = Future()
         if self._thread is None:
             raise RuntimeError("disk-resident Engram layers need the I/O thread")
         self._order += 1
-        self._jobs.put((priority, self._order, layer, rows, request_ids, future))
+        self._jobs.put((priority, self._order, reads, request_ids, future))
         return future
 
     def _serve(self) -> None:
         while True:
-            priority, _, layer, rows, request_ids, future = self._jobs.get()
-            if layer is None:
+            priority, _, reads, request_ids, future = self._jobs.get()
+            if reads is None:
                 return
             if request_ids and all(r in self._cancelled for r in request_ids):
                 future.cancel()
@@ -307,22 +320,39 @@ class EngramStore:
             if self._jobs.empty():
                 self._cancelled.clear()  # every hint queued before those aborts has been seen
             try:
-                disk_layer = self.layers[layer]
-                if request_ids:  # a hint: only what the host cache lacks
-                    with disk_layer.lock:
-                        rows = rows[disk_layer.host_cache.absent(rows)]
-                    if not len(rows):
-                        future.set_result((torch.zeros(0, disk_layer.header.row_bytes, dtype=torch.uint8), {}))
-                        continue
-                future.set_result(disk_layer.read(rows, self.reader, self.stats))
+                if request_ids:  # a hint: only what the host caches lack
+                    reads = self._absent(reads)
+                future.set_result(self._read(reads) if reads else {})
             except Exception as exc:  # a failure here must not kill the thread the model waits on
                 log.exception("Engram fetch failed")
-                failed = {int(r): f"Engram layer {layer}: {type(exc).__name__}: {exc}" for r in rows.tolist()}
-                future.set_result((torch.zeros(len(rows), self.layers[layer].header.row_bytes, dtype=torch.uint8), failed))
+                future.set_result({
+                    index: (torch.zeros(len(rows), self.layers[index].header.row_bytes, dtype=torch.uint8),
+                            {int(r): f"Engram layer {index}: {type(exc).__name__}: {exc}" for r in rows.tolist()})
+                    for index, rows in reads.items()})
+
+    def _absent(self, reads: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        absent = {}
+        for index, rows in reads.items():
+            layer = self.layers[index]
+            with layer.lock:
+                rows = rows[layer.host_cache.absent(rows)]
+            if len(rows):
+                absent[index] = rows
+        return absent
+
+    def _read(self, reads: dict[int, np.ndarray]) -> dict[int, tuple[torch.Tensor, dict[int, str]]]:
+        """Every layer's pages in one read_pages call (so all of them are in flight together), then
+        each layer's rows cut out and cached."""
+        layers = {index: self.layers[index] for index in reads}
+        table_of_file = {layer.file_index: layer.header.table_id for layer in layers.values()}
+        keys = [key for index, rows in reads.items() for key in layers[index].page_keys(rows)]
+        got, bad = self.reader.read_pages(keys, lambda key, page: check_page(page, key[1], table_of_file[key[0]]))
+        self.stats.bytes_read, self.stats.read_errors = self.reader.bytes_read, self.reader.errors
+        return {index: layers[index].take(rows, got, bad, self.stats) for index, rows in reads.items()}
 
     def close(self) -> None:
         if self._thread is not None:
-            self._jobs.put((-1, 0, None, None, (), None))
+            self._jobs.put((-1, 0, None, (), None))
             self._thread.join(5)
             self._thread = None
         if self.reader is not None:

@@ -195,7 +195,7 @@ def test_hints_warm_the_cache_and_aborted_requests_drop_theirs(checkpoints, tmp_
     store.cancel("gone")
     store.hint(["gone"], ids)
     store.hint(["kept"], ids[:6])
-    store._submit(priority=2, layer=0, rows=np.array([], dtype=np.int64)).result()  # the queue has drained
+    store._submit(priority=2, reads={}).result()  # the queue has drained
     kept_pages = sum(len(np.unique(layer.header.page_of(np.unique(ids[:6, k].numpy()))[0]))
                      for k, layer in enumerate(store.layers))
     assert store.reader.reads == kept_pages  # the aborted request's hint was dropped unread
