@@ -164,13 +164,12 @@ class DiskLayer:
         distinct, page_index = np.unique(pages, return_inverse=True)
         keys = [(self.file_index, int(page)) for page in distinct]
         read_ok = np.array([key in got for key in keys], dtype=bool)
-        data = np.frombuffer(b"".join(got.get(key, ZERO_PAGE) for key in keys), dtype=np.uint8)
+        data = np.frombuffer(b"".join(got.get(key, ZERO_PAGE) for key in keys), dtype=np.uint8)  # failed: zeros
         starts = page_index.reshape(-1) * PAGE + offsets
         raw = torch.from_numpy(data[starts[:, None] + np.arange(h.row_bytes)])
         loaded = read_ok[page_index.reshape(-1)]
         failed = {int(row): f"Engram layer {h.layer_id} row {int(row)} (page {int(page)}): {bad[(self.file_index, int(page))]}"
                   for row, page in zip(rows[~loaded], pages[~loaded])}
-        raw[torch.from_numpy(~loaded)] = 0
         stats.rows_disk += int(loaded.sum())
         if loaded.any():
             with self.lock:
@@ -331,6 +330,7 @@ class EngramStore:
                     for index, rows in reads.items()})
 
     def _absent(self, reads: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """The rows of `reads` that the layers' host caches lack (layers with none left out)."""
         absent = {}
         for index, rows in reads.items():
             layer = self.layers[index]
