@@ -35,7 +35,6 @@ from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
 
 log = logging.getLogger("ds4serve.engram")
 RESIDENCIES = ("gpu", "host", "disk")
-ZERO_PAGE = bytes(PAGE)  # stands in for a page that failed: its rows are zeroed and reported
 
 
 @dataclass(frozen=True)
@@ -152,24 +151,23 @@ class DiskLayer:
             self.reads_done.record()
 
     def page_keys(self, rows: np.ndarray) -> list[PageKey]:
-        """The distinct pages of the file that hold `rows`."""
+        """The distinct pages of the file that hold `rows`, in page order (the order `take` expects)."""
         return [(self.file_index, int(page)) for page in np.unique(self.header.page_of(rows)[0])]
 
-    def take(self, rows: np.ndarray, got: dict[PageKey, bytes], bad: dict[PageKey, str],
-             stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
-        """Cuts distinct `rows` out of the verified pages `got` (one gather, not row by row), caches
-        them, and says why each row whose page failed (`bad`) is unusable; those come back as zeros."""
+    def take(self, rows: np.ndarray, pages: np.ndarray, bad: dict[int, str], stats: StoreStats) -> tuple[torch.Tensor, dict[int, str]]:
+        """Cuts distinct `rows` out of their pages (`pages` [len(page_keys(rows)), PAGE], in that order;
+        `bad`: why each failed page, by position, failed) with one gather, caches the good ones, and
+        says why each row of a failed page is unusable; those rows come back as zeros (so is the page)."""
         h = self.header
-        pages, offsets = h.page_of(rows)
-        distinct, page_index = np.unique(pages, return_inverse=True)
-        keys = [(self.file_index, int(page)) for page in distinct]
-        read_ok = np.array([key in got for key in keys], dtype=bool)
-        data = np.frombuffer(b"".join(got.get(key, ZERO_PAGE) for key in keys), dtype=np.uint8)  # failed: zeros
-        starts = page_index.reshape(-1) * PAGE + offsets
-        raw = torch.from_numpy(data[starts[:, None] + np.arange(h.row_bytes)])
-        loaded = read_ok[page_index.reshape(-1)]
-        failed = {int(row): f"Engram layer {h.layer_id} row {int(row)} (page {int(page)}): {bad[(self.file_index, int(page))]}"
-                  for row, page in zip(rows[~loaded], pages[~loaded])}
+        page_numbers, offsets = h.page_of(rows)
+        _, page_index = np.unique(page_numbers, return_inverse=True)
+        page_index = page_index.reshape(-1)
+        raw = torch.from_numpy(pages.reshape(-1)[(page_index * PAGE + offsets)[:, None] + np.arange(h.row_bytes)])
+        page_ok = np.ones(len(pages), dtype=bool)
+        page_ok[list(bad)] = False
+        loaded = page_ok[page_index]
+        failed = {int(row): f"Engram layer {h.layer_id} row {int(row)} (page {int(page)}): {bad[int(index)]}"
+                  for row, page, index in zip(rows[~loaded], page_numbers[~loaded], page_index[~loaded])}
         stats.rows_disk += int(loaded.sum())
         if loaded.any():
             with self.lock:
@@ -345,10 +343,17 @@ class EngramStore:
         each layer's rows cut out and cached."""
         layers = {index: self.layers[index] for index in reads}
         table_of_file = {layer.file_index: layer.header.table_id for layer in layers.values()}
-        keys = [key for index, rows in reads.items() for key in layers[index].page_keys(rows)]
-        got, bad = self.reader.read_pages(keys, lambda key, page: check_page(page, key[1], table_of_file[key[0]]))
+        keys_of = {index: layers[index].page_keys(rows) for index, rows in reads.items()}
+        keys = [key for layer_keys in keys_of.values() for key in layer_keys]
+        pages, bad = self.reader.read_pages(keys, lambda key, page: check_page(page, key[1], table_of_file[key[0]]))
         self.stats.bytes_read, self.stats.read_errors = self.reader.bytes_read, self.reader.errors
-        return {index: layers[index].take(rows, got, bad, self.stats) for index, rows in reads.items()}
+        result, start = {}, 0
+        for index, rows in reads.items():
+            end = start + len(keys_of[index])
+            layer_bad = {position - start: why for position, why in bad.items() if start <= position < end}
+            result[index] = layers[index].take(rows, pages[start:end], layer_bad, self.stats)
+            start = end
+        return result
 
     def close(self) -> None:
         if self._thread is not None:

@@ -149,9 +149,9 @@ def test_reaping_at_queue_depth_64_over_100k_reads(tmp_path):
     for _ in range(100):  # 100 x 1,000 distinct random pages
         batch = [(0, int(p)) for p in rng.choice(np.arange(1, header.data_pages + 1), 1000, replace=False)]
         pages, failed = reader.read_pages(batch, lambda key, page: check_page(page, key[1], header.table_id))
-        assert not failed
-        for (_, page_no), data in pages.items():
-            assert data == raw[page_no * PAGE : (page_no + 1) * PAGE]
+        assert not failed and pages.shape == (len(batch), PAGE)
+        for (_, page_no), data in zip(batch, pages):
+            assert data.tobytes() == raw[page_no * PAGE : (page_no + 1) * PAGE]
         checked += len(pages)
     reader.close()
     assert checked == reader.reads == 100_000
