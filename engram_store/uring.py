@@ -1,10 +1,11 @@
 """Page reads through io_uring (PyPI `liburing`) with O_DIRECT into registered-size aligned buffers.
 
 O_DIRECT needs page-aligned memory, so each in-flight read owns one anonymous mmap page (mmap is page
-aligned) wrapped in an iovec; `queue_depth` of them are kept for the reader's lifetime. Completions are
-reaped one CQE at a time until the queue is empty. Every completed page goes through `verify` (length, page number, table id,
-checksum) before anyone sees it; a failed read or verification is retried once, then reported per
-page, so a caller fails exactly the rows on that page.
+aligned) wrapped in an iovec; `queue_depth` of them are kept for the reader's lifetime. The reader
+waits for completions on an eventfd registered with the ring (the GIL is free meanwhile), then reaps
+them one CQE at a time until the queue is empty. Every completed page goes through `verify` (length,
+page number, table id, checksum) before anyone sees it; a failed read or verification is retried
+once, then reported per page, so a caller fails exactly the rows on that page.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import importlib
 import mmap
 import os
 import tempfile
-import time
 from collections import deque
 from pathlib import Path
 from types import ModuleType
@@ -43,7 +43,6 @@ def import_liburing() -> ModuleType:
 
 liburing = import_liburing()
 
-POLL_S = 20e-6
 PageKey = tuple[int, int]  # (file index, page number)
 Verifier = Callable[[PageKey, memoryview], "str | None"]
 
@@ -58,12 +57,17 @@ class UringPageReader:
         self.buffers = [mmap.mmap(-1, PAGE) for _ in range(self.queue_depth)]
         self.iovecs = [liburing.iovec(memoryview(buffer)) for buffer in self.buffers]
         self.views = [np.frombuffer(buffer, dtype=np.uint8) for buffer in self.buffers]  # copied out of
+        # Completions also bump this eventfd: waiting on it with os.read releases the GIL and wakes
+        # as soon as a read completes (the binding's own wait holds the GIL; sleeping overshoots).
+        self.completions = os.eventfd(0, os.EFD_CLOEXEC)
+        liburing.io_uring_register_eventfd(self.ring, self.completions)
         # Test hook: (file, page) -> errno to fail that read with, as a failing disk would.
         self.inject_error: Callable[[PageKey], int | None] | None = None
         self.reads = self.bytes_read = self.errors = 0
 
     def close(self) -> None:
         liburing.io_uring_queue_exit(self.ring)
+        os.close(self.completions)
         for fd in self.fds:
             os.close(fd)
         self.fds = []
@@ -111,13 +115,13 @@ class UringPageReader:
         return pages, failed
 
     def _reap(self) -> list[tuple[int, int]]:
-        """Waits for one completion (polling: the binding's blocking wait keeps the GIL, which would
-        stall the model's thread for the whole read), then takes every other ready one, one CQE at a time: the head CQE
+        """Waits for one completion (on the eventfd: the binding's blocking wait keeps the GIL, which
+        would stall the model's thread for the whole read), then takes every other ready one, one CQE at a time: the head CQE
         is re-read after each `seen`, because indexing past it would run off the end of the
         circular completion queue (the batch-indexing failure the reference notes)."""
         status = liburing.io_uring_peek_cqe(self.ring, self.cqes)
-        while status == -errno.EAGAIN:  # the binding's wait holds the GIL; poll so the model thread runs
-            time.sleep(POLL_S)
+        while status == -errno.EAGAIN:
+            os.eventfd_read(self.completions)  # blocks, GIL released, until a completion is posted
             status = liburing.io_uring_peek_cqe(self.ring, self.cqes)
         if status < 0:
             raise OSError(-status, f"io_uring_peek_cqe: {os.strerror(-status)}")
