@@ -56,8 +56,8 @@ class UringPageReader:
         self.cqes = liburing.io_uring_cqe()
         self.buffers = [mmap.mmap(-1, PAGE) for _ in range(self.queue_depth)]
         self.iovecs = [liburing.iovec(memoryview(buffer)) for buffer in self.buffers]
-        self.views = [np.frombuffer(buffer, dtype=np.uint8) for buffer in self.buffers]  # copied out of
-        # Completions also bump this eventfd: waiting on it with os.read releases the GIL and wakes
+        self.views = [np.frombuffer(buffer, dtype=np.uint8) for buffer in self.buffers]  # verified pages are copied from these
+        # Completions also bump this eventfd: waiting on it (os.eventfd_read) releases the GIL and wakes
         # as soon as a read completes (the binding's own wait holds the GIL; sleeping overshoots).
         self.completions = os.eventfd(0, os.EFD_CLOEXEC)
         liburing.io_uring_register_eventfd(self.ring, self.completions)
@@ -81,8 +81,7 @@ class UringPageReader:
         pending: deque[tuple[int, int]] = deque((i, 0) for i in range(len(keys)))  # (key position, attempt)
         free = list(range(self.queue_depth))
         in_flight: list[tuple[int, int]] = [(0, 0)] * self.queue_depth  # by buffer: (key position, attempt)
-        busy = 0
-        while pending or busy:
+        while pending or len(free) < self.queue_depth:  # work left, or reads in flight
             while pending and free:
                 position, attempt = pending.popleft()
                 buffer = free.pop()
@@ -91,13 +90,11 @@ class UringPageReader:
                 liburing.io_uring_prep_readv(sqe, self.fds[file], self.iovecs[buffer], page * PAGE)
                 sqe.user_data = buffer + 1  # the binding refuses 0
                 in_flight[buffer] = (position, attempt)
-                busy += 1
             liburing.io_uring_submit(self.ring)
             for tag, result in self._reap():
                 buffer = tag - 1
                 position, attempt = in_flight[buffer]
                 free.append(buffer)
-                busy -= 1
                 self.reads += 1
                 key = keys[position]
                 injected = self.inject_error(key) if self.inject_error else None
