@@ -20,10 +20,10 @@ import time
 
 import torch
 
+from contract import SamplingParams, ScheduledChunk, StepPlan
+from contract.config import DEFAULT_MODEL_DIR
+from engine.factory import ensure_default_model
 from models import load_model
-from scheduler import SamplingParams, ScheduledChunk, StepPlan
-from server.config import DEFAULT_MODEL_DIR
-from server.launch import ensure_default_model
 from worker import ModelRunner
 
 

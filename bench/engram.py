@@ -28,8 +28,8 @@ import cProfile
 import gc
 import io
 import json
-import pstats
 import platform
+import pstats
 import statistics
 import struct
 import subprocess
@@ -42,11 +42,11 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from contract import SamplingParams, ScheduledChunk, StepPlan
 from engram_store.store import EngramOptions
 from models import ModelConfig, load_model
 from models.engram_setup import engram_hasher
 from models.tiny import build_tokenizer, random_weights, tiny_v41_config_dict
-from scheduler import SamplingParams, ScheduledChunk, StepPlan
 from worker import ModelRunner
 
 ROW_DIM = 256

@@ -35,10 +35,10 @@ import torch
 
 from bench.decode import chunk
 from bench.slice import copy_slot_to_all, decode_steps, random_tokens, run_fields
+from contract import StepPlan
 from models import ForwardBatch, ModelConfig
 from models.attention_v41 import SelectionTrace
 from models.random_model import build_random_model
-from scheduler import StepPlan
 from worker import ModelRunner
 
 FLASH_V41 = Path(__file__).resolve().parent.parent / "configs/models/DeepSeek-V4.1-Flash/config.json"

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import httpx
 import openai
-
 import torch
 
 from models import ModelCache, ModelConfig, load_model

@@ -80,11 +80,11 @@ from bench.slice_roofline import (
     prefill_flops,
     weight_bytes_read,
 )
+from contract import StepPlan
+from engine.memory_plan import model_bytes
 from models import ForwardBatch, ModelConfig
 from models.random_model import build_random_model, quantize_as_released
-from scheduler import StepPlan
 from worker import ModelRunner
-from worker.memory_plan import model_bytes
 
 FLASH_CONFIG = Path(__file__).resolve().parent.parent / "configs/models/DeepSeek-V4-Flash/config.json"
 PER_LAYER_KEYS = ("compress_ratios", "layer_types", "mlp_layer_types")

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from contract import PREFETCH_WAIT_BUCKETS, EngramStats
 from engram_store.cache import FREE, RowCache
 from engram_store.format import PAGE, TableHeader, check_page
 from engram_store.uring import PageKey, UringPageReader
 from kernels import gather_engram_rows
-from scheduler.engine_core import PREFETCH_WAIT_BUCKETS
 
 log = logging.getLogger("ds4serve.engram")
 RESIDENCIES = ("gpu", "host", "disk")
@@ -39,7 +39,7 @@ RESIDENCIES = ("gpu", "host", "disk")
 
 @dataclass(frozen=True)
 class EngramOptions:
-    """engram: section of the YAML, resolved (see server/config.py)."""
+    """engram: section of the YAML, resolved (see contract/config.py)."""
 
     residency: str = "host"
     layer_residency: dict[int, str] = field(default_factory=dict)  # per-layer overrides
@@ -75,6 +75,14 @@ class StoreStats:
             if seconds <= edge:
                 self.wait_buckets[i] += 1
         self.recent_waits_s.append(seconds)
+
+    def snapshot(self) -> EngramStats:
+        return EngramStats(
+            rows_resident=self.rows_resident, rows_device_cache=self.rows_device_cache,
+            rows_host_cache=self.rows_host_cache, rows_disk=self.rows_disk, bytes_read=self.bytes_read,
+            read_errors=self.read_errors, wait_count=self.wait_count, wait_sum_s=self.wait_sum_s,
+            wait_buckets=tuple(self.wait_buckets),
+        )
 
 
 class ResidentLayer:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
-from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from kernels.attention import decode_attention
+from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from kernels.indexer import indexer_scores
 from models.attention import add_attention_projections, attention_output, window_keys, window_keys_decode
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk

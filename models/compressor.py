@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from kernels import stable_topk
-from kernels.indexer import indexer_scores
 from kernels.batch_invariant import batch_invariant_active
+from kernels.indexer import indexer_scores
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import PoolerCache, paged_read, paged_write, paged_write_rows
 from models.layers import RMSNorm, RotaryTable, apply_rope

@@ -40,9 +40,9 @@ from models.config import ConfigError, ModelConfig
 from models.csa2 import SharedCompressor
 from models.engram_setup import TableRows, engram_memory
 from models.layers import Fp8Linear
-from models.moe import Experts
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.moe import Experts
 from models.parallel import SINGLE, Shard, TensorParallel, shard_of
 from models.weight_names import NameIndex
 

@@ -23,7 +23,12 @@ from torch import nn
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
 from kernels.moe import (
-    ExpertWeights, MXFP4Experts, clamped_swiglu, experts_on_device, experts_reference, grouped_mm_supported,
+    ExpertWeights,
+    MXFP4Experts,
+    clamped_swiglu,
+    experts_on_device,
+    experts_reference,
+    grouped_mm_supported,
 )
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards

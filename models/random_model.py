@@ -12,13 +12,13 @@ import math
 
 import torch
 
-from models.config import ConfigError, ModelConfig
 from kernels.quant import quantize_fp8_blocks, quantize_mxfp4
+from models.config import ConfigError, ModelConfig
 from models.layers import Fp8Linear
 from models.loader import _assign, _target_dtype, fp8_candidates
-from models.moe import Experts
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.moe import Experts
 
 
 def random_tensor(

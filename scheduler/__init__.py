@@ -1,25 +1,7 @@
-"""Engine core policy: request state machine and continuous batching (pure Python, no torch)."""
+"""Engine policy: request state machine, continuous batching, block manager, prefix cache (pure
+Python over ids and integers: no torch, no model)."""
 
-from scheduler.engine_core import EngineCore, EngineStats, ModelExecutor
-from scheduler.plan import ChunkResult, ScheduledChunk, StepPlan, StepResult
-from scheduler.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
-from scheduler.scheduler import RequestRejected, Scheduler, SchedulerLimits, validate_request
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
 
-__all__ = [
-    "ChunkResult",
-    "EngineCore",
-    "EngineStats",
-    "ModelExecutor",
-    "Request",
-    "RequestOutput",
-    "RequestRejected",
-    "RequestStatus",
-    "SamplingParams",
-    "ScheduledChunk",
-    "Scheduler",
-    "SchedulerLimits",
-    "StepPlan",
-    "StepResult",
-    "TokenLogprob",
-    "validate_request",
-]
+__all__ = ["Request", "RequestStatus", "Scheduler"]

@@ -19,61 +19,22 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from contract import (
+    EngineLimits,
+    NewRequest,
+    RequestOutput,
+    ScheduledChunk,
+    StateCopy,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+    validate_request,
+)
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.plan import ScheduledChunk, StateCopy, StepPlan, StepResult
 from scheduler.prefix_cache import PrefixCache
-from scheduler.request import InvalidSamplingParams, Request, RequestOutput, RequestStatus, TokenLogprob
-
+from scheduler.request import Request, RequestStatus
 
 log = logging.getLogger("ds4serve.scheduler")
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    num_pages: int | None = None  # KV pages the memory plan affords (None: enough for every slot)
-    block_tokens: int = 128
-    # prefix-cache snapshot slots, model-cache slots max_num_seqs .. max_num_seqs + this - 1 (0: no cache)
-    prefix_snapshots: int = 0
-
-    @property
-    def total_pages(self) -> int:
-        if self.num_pages is not None:
-            return self.num_pages
-        return -(-self.max_model_len // self.block_tokens) * self.max_num_seqs
-
-
-class RequestRejected(ValueError):
-    """A request the engine will not run; the message is meant for the client (HTTP 400)."""
-
-
-def validate_request(limits: SchedulerLimits, request: Request) -> None:
-    """Raises RequestRejected for a request the engine would refuse; pure, so the front end runs it too."""
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise RequestRejected("the prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
-    if len(prompt) + request.params.max_tokens > limits.max_model_len:
-        raise RequestRejected(
-            f"this model's maximum context length is {limits.max_model_len} tokens; the request has "
-            f"{len(prompt)} prompt tokens and asks for {request.params.max_tokens} more"
-        )
-    try:
-        request.params.validate(limits.vocab_size)
-    except InvalidSamplingParams as exc:
-        raise RequestRejected(str(exc)) from exc
-    capacity = limits.total_pages * limits.block_tokens
-    if len(prompt) + request.params.max_tokens > capacity:
-        raise RequestRejected(
-            f"the request needs {len(prompt) + request.params.max_tokens} tokens of KV cache; this server's "
-            f"cache holds {capacity}"
-        )
 
 
 @dataclass(frozen=True)
@@ -89,7 +50,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: EngineLimits) -> None:
         self.limits = limits
         self.blocks = BlockManager(limits.total_pages, limits.block_tokens, limits.max_num_seqs)
         self.waiting: deque[Request] = deque()
@@ -104,12 +65,13 @@ class Scheduler:
             self.blocks.evict = self.prefix.evict_one
         self._saves: list[StateCopy] = []  # taken since the last plan; the worker copies them first
 
-    def validate(self, request: Request) -> None:
+    def validate(self, request: NewRequest) -> None:
         validate_request(self.limits, request)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: NewRequest) -> None:
+        """Queues a validated request (raises RequestRejected); its mutable state lives here from now on."""
         self.validate(request)
-        self.waiting.append(request)
+        self.waiting.append(Request(request))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         for request in list(self.waiting) + self.running:

@@ -1,12 +1,12 @@
 """`python -m server`: serve a DeepSeek-V4 checkpoint over an OpenAI-compatible HTTP API.
 
     python -m server [--model DIR] [--config YAML] [--set key=value ...] [--host H] [--port P]
-    python -m server plan --config YAML [--set key=value ...]   # the memory plan only (server/plan.py)
+    python -m server plan --config YAML [--set key=value ...]   # the memory plan only (engine/plan.py)
 
 Without --model (and no model.path in the YAML) it serves the embedded tiny default, building it
 first if absent. Logs go to stderr as text or, with `--log-format json`, one JSON object per line
-(server/logging_setup.py). A config that asks for a feature this version does not run is refused
-before anything starts (server/features.py).
+(contract/logs.py). A config that asks for a feature this version does not run is refused
+before anything starts (contract/features.py).
 
 SIGTERM or SIGINT drains: /health and /ready turn 503 at once, new completions get 503, in-flight
 ones get `server.drain_timeout_s` to finish (streams still running then end with an error frame and
@@ -19,10 +19,10 @@ import argparse
 import os
 import sys
 
-from server.config import FLAG_KEYS, ConfigFileError, load_config
-from server.features import unbuilt_features
-from server.logging_setup import configure_logging
-from worker.launch_env import launched_externally
+from contract.config import FLAG_KEYS, ConfigFileError, load_config
+from contract.features import unbuilt_features
+from contract.launch_env import launched_externally
+from contract.logs import configure_logging
 
 SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from server.plan import main as plan
+        from engine.plan import main as plan
 
         return plan(argv[1:])
     args = parse_args(argv)

@@ -22,11 +22,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from contract.config import ServerSection
 from server.chat import ChatFormat
 from server.chat_completions import build_chat_call, create_chat_completion, stream_chat_completion
 from server.chat_protocol import ChatCompletionRequest
 from server.completions import build_requests, create_completion, stream_completion
-from server.config import ServerSection
 from server.engine_client import EngineClient
 from server.http_edge import BearerKeys, BodyLimit, RequestIds
 from server.http_errors import ClientGone, UnknownModel, error_response, install_error_handlers

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.request import Request, TokenLogprob
+from contract import NewRequest, TokenLogprob
 from server.chat import ChatFormat, Delta, OutputParser, ParsedMessage
 from server.chat.tokens import THINK_START
 from server.chat_protocol import (
@@ -56,10 +56,10 @@ class ChatCall:
     body: ChatCompletionRequest
     raw: dict[str, Any]  # the body as server/chat reads it
     prompt: str  # the rendered prompt text, BOS included
-    requests: list[Request]
+    requests: list[NewRequest]
 
     @property
-    def prompt_token_ids(self) -> list[int]:
+    def prompt_token_ids(self) -> tuple[int, ...]:
         return self.requests[0].prompt_token_ids
 
 
@@ -74,7 +74,7 @@ def build_chat_call(
     ids = tokenizer.encode(prompt, add_special_tokens=False)  # the rendered prompt holds its BOS
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = [
-        Request(
+        NewRequest(
             f"{response_id}-{tag}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
             cache_salt=body.cache_salt, cache_boundary=history_end(ids, tokenizer),
         )

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from scheduler.request import InvalidSamplingParams, Request, RequestOutput, SamplingParams, TokenLogprob
+from contract import InvalidSamplingParams, NewRequest, RequestOutput, SamplingParams, TokenLogprob
 from server.engine_client import EngineClient
 from server.incremental_text import IncrementalText
 from server.protocol import (
@@ -104,7 +104,7 @@ def sampling_params(
     return params
 
 
-async def collect(engine: EngineClient, request: Request, text: IncrementalText | None = None) -> Generation:
+async def collect(engine: EngineClient, request: NewRequest, text: IncrementalText | None = None) -> Generation:
     """The request's outputs; given `text` (stop strings), ends at the first stop string and aborts the
     engine request there, so it stops using the engine."""
     generation = Generation()
@@ -150,12 +150,12 @@ def legacy_logprobs(
 
 def build_requests(
     body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int, base_id: str
-) -> tuple[str, list[Request]]:
+) -> tuple[str, list[NewRequest]]:
     """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt."""
     prompts = prompt_token_lists(body, tokenizer)
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = [
-        Request(
+        NewRequest(
             f"{response_id}-{tag}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
             cache_salt=body.cache_salt,
         )
@@ -166,7 +166,7 @@ def build_requests(
 
 
 async def create_completion(
-    body: CompletionRequest, response_id: str, requests: list[Request], engine: EngineClient,
+    body: CompletionRequest, response_id: str, requests: list[NewRequest], engine: EngineClient,
     tokenizer: TextTokenizer, model_name: str,
 ) -> CompletionResponse:
     prompts = [r.prompt_token_ids for r in requests[:: body.n]]
@@ -193,7 +193,7 @@ async def create_completion(
 
 
 def _choice(
-    body: CompletionRequest, tokenizer: TextTokenizer, index: int, request: Request, generation: Generation
+    body: CompletionRequest, tokenizer: TextTokenizer, index: int, request: NewRequest, generation: Generation
 ) -> CompletionChoice:
     prompt_ids = request.prompt_token_ids
     text = generation.text if generation.text is not None else tokenizer.decode(generation.token_ids)
@@ -205,7 +205,7 @@ def _choice(
         ids = list(generation.token_ids)
         if body.echo:
             entries = list(generation.prompt_logprobs or [None] * len(prompt_ids)) + entries
-            ids = prompt_ids + ids
+            ids = [*prompt_ids, *ids]
         logprobs = legacy_logprobs(tokenizer, entries, ids)
     return CompletionChoice(
         index=index,
@@ -217,7 +217,7 @@ def _choice(
     )
 
 async def stream_completion(
-    body: CompletionRequest, response_id: str, requests: list[Request], engine: EngineClient,
+    body: CompletionRequest, response_id: str, requests: list[NewRequest], engine: EngineClient,
     tokenizer: TextTokenizer, model_name: str, interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE frames for every choice as its tokens arrive, a usage frame if asked, then [DONE]. A choice

@@ -9,11 +9,10 @@ output and new ones are refused.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from scheduler.engine_core import EngineStats
-from scheduler.request import Request, RequestOutput
+from contract import EngineStats, NewRequest, RequestOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -21,12 +20,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineHandle(Protocol):
-    def submit(self, request: Request) -> None:
+    def submit(self, request: NewRequest) -> None:
         """Raises RequestRejected before anything is queued."""
 
     def abort(self, request_id: str) -> None: ...
 
-    def validate(self, request: Request) -> None:
+    def validate(self, request: NewRequest) -> None:
         """Raises RequestRejected for a request the engine would refuse."""
 
 
@@ -48,7 +47,7 @@ class EngineClient:
         self._engine: EngineHandle | None = None
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
-        self.observe: Callable[[Request], RequestObserver] = lambda _: RequestObserver()
+        self.observe: Callable[[NewRequest], RequestObserver] = lambda _: RequestObserver()
         self._stopped_early: set[str] = set()  # requests the front end ended at a stop string
 
     def connect(self, engine: EngineHandle) -> None:
@@ -58,7 +57,7 @@ class EngineClient:
     def ready(self) -> bool:
         return self._engine is not None and self.dead_reason is None
 
-    def validate(self, request: Request) -> None:
+    def validate(self, request: NewRequest) -> None:
         """Raises RequestRejected for a request the engine would refuse."""
         assert self._engine is not None, "engine not connected"
         self._engine.validate(request)
@@ -66,10 +65,10 @@ class EngineClient:
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def on_output(self, output: RequestOutput) -> None:
-        """Engine side; thread-safe."""
+    def on_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        """Engine side; thread-safe. One engine step's outputs, handed to the event loop in one call."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, output)
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def on_stats(self, stats: EngineStats) -> None:
         """Engine side; thread-safe (one attribute swap)."""
@@ -81,16 +80,17 @@ class EngineClient:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fail_all, reason)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        queue = self._queues.get(output.request_id)
-        if queue is not None:
-            queue.put_nowait(output)
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
 
     def _fail_all(self, reason: str) -> None:
         for request_id, queue in self._queues.items():
             queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason="error", error=reason))
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until the finished one; aborts the request if the caller leaves."""
         assert self._engine is not None, "engine not connected"
         if self.dead_reason is not None:

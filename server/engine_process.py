@@ -1,7 +1,7 @@
 """The front end's side of the engine process: spawn it, wait until it is ready, relay, stop it.
 
-The engine (worker/engine_process.py) runs in a process of its own, started with the "spawn" context
-(a fork would copy this process's threads and event loop). Frames (scheduler/codec.py) travel over two
+The engine (engine/process.py) runs in a process of its own, started with the "spawn" context
+(a fork would copy this process's threads and event loop). Frames (contract/codec.py) travel over two
 ZeroMQ ipc sockets in a private temp directory: requests (PUSH, connected from here, so frames queue
 even before the engine binds) and outputs (PULL, bound here). Calls from the asyncio loop only enqueue
 a frame. One receiver thread waits on the outputs socket and on the process's sentinel and hands
@@ -21,13 +21,21 @@ import threading
 
 import zmq
 
-from scheduler.codec import Abort, EngineFailed, EngineReady, Shutdown, ToEngine, decode, encode
-from scheduler.engine_core import EngineStats
-from scheduler.request import Request, RequestOutput
-from scheduler.scheduler import validate_request
-from server.config import ServeConfig
+from contract import (
+    Abort,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    NewRequest,
+    Shutdown,
+    StepOutputs,
+    validate_request,
+)
+from contract.codec import decode, encode
+from contract.config import ServeConfig
+from contract.messages import ToEngine
+from engine.process import run_engine_process  # stdlib, zmq and contract only: the engine loads in the child
 from server.engine_client import EngineClient
-from worker.engine_process import run_engine_process
 
 log = logging.getLogger("ds4serve.launch")
 FLUSH_MS = 200  # after the engine exits, how long a last frame (its failure) may still take to arrive
@@ -70,7 +78,7 @@ class EngineProcess:
         self._receiver = threading.Thread(target=self._receive, name="ds4serve-engine-outputs", daemon=True)
         self._receiver.start()
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: NewRequest) -> None:
         """Validates here (RequestRejected before anything is sent); the engine validates again."""
         validate_request(self.ready.limits, request)
         self._send(request)
@@ -78,7 +86,7 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
-    def validate(self, request: Request) -> None:
+    def validate(self, request: NewRequest) -> None:
         validate_request(self.ready.limits, request)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -144,8 +152,8 @@ class EngineProcess:
             self._client.on_engine_dead(reason)
 
     def _dispatch(self, message: object) -> None:
-        if isinstance(message, RequestOutput):
-            self._client.on_output(message)
+        if isinstance(message, StepOutputs):
+            self._client.on_outputs(message.outputs)
         elif isinstance(message, EngineStats):
             self._client.on_stats(message)
         else:

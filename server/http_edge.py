@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from server.logging_setup import REQUEST_ID as LOGGED_REQUEST_ID
+from contract.logs import REQUEST_ID as LOGGED_REQUEST_ID
 from server.protocol import error_body
 
 Scope = MutableMapping[str, Any]

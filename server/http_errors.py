@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.scheduler import RequestRejected
+from contract import RequestRejected
 from server.chat import ChatRequestError
 from server.engine_client import EngineDeadError
 from server.lifecycle import Draining, QueueFull

@@ -7,43 +7,32 @@ process (server/engine_process.py), and the HTTP code only sees the EngineClient
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from fastapi import FastAPI
 
+from contract.config import ServeConfig
 from server.app import ServedModel, create_app
 from server.chat import ChatFormat
-from server.config import DEFAULT_MODEL_DIR, ServeConfig
 from server.engine_client import EngineClient
+from server.engine_process import EngineProcess
 from server.metrics import MetricsSetup, install_metrics
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger("ds4serve.launch")
 
 
-def ensure_default_model(model_dir: Path) -> None:
-    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").exists():
-        from models.tiny import build_tiny_checkpoint
-
-        log.info("building the tiny default checkpoint in %s", model_dir)
-        build_tiny_checkpoint(model_dir)
-
-
 def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
-    """Raises EngineStartError (a ValueError) when the engine process cannot start."""
-    from models import ModelConfig
-    from server.engine_process import EngineProcess
-
+    """Raises EngineStartError (a ValueError) when the engine process cannot start. The engine starts
+    first (it builds the embedded default model if needed) and reports the model facts the tokenizer
+    and chat format need, so this process never reads the checkpoint's config itself."""
     model_dir = config.model_dir
-    ensure_default_model(model_dir)
-    model_config = ModelConfig.from_file(model_dir / "config.json")
-    tokenizer = TextTokenizer(model_dir, model_config.bos_token_id)
     client = EngineClient()
     engine = EngineProcess(config, client)
     client.connect(engine)
-    limits = engine.ready.limits
+    facts, limits = engine.ready.model, engine.ready.limits
+    tokenizer = TextTokenizer(model_dir, facts.bos_token_id)
     served = ServedModel(config.served_model_name, str(model_dir), limits.max_model_len, limits.max_num_seqs)
-    chat = ChatFormat.for_checkpoint(model_dir, model_config.model_type)
+    chat = ChatFormat.for_checkpoint(model_dir, facts.model_type)
     app = create_app(client, tokenizer, served, config.api_keys(api_key), settings=config.server, chat=chat)
     metrics = MetricsSetup(served.name, served.max_model_len, config.scheduler.block_tokens, config.metrics.vllm_compat)
     install_metrics(app, client, metrics)

@@ -19,8 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler.engine_core import PREFETCH_WAIT_BUCKETS, EngineStats
-from scheduler.request import Request, RequestOutput
+from contract import PREFETCH_WAIT_BUCKETS, EngineStats, EngramStats, NewRequest, RequestOutput
 from server.engine_client import EngineClient, RequestObserver
 
 LABELS = ("model_name", "engine")
@@ -133,7 +132,7 @@ class RequestTrace(RequestObserver):
     inter-token latency between later such outputs (one per engine step, as vLLM counts it), e2e at the
     end. A caller that leaves early (client gone, stop string cut in the front end) ends it as "abort"."""
 
-    def __init__(self, metrics: RequestMetrics, request: Request) -> None:
+    def __init__(self, metrics: RequestMetrics, request: NewRequest) -> None:
         self.metrics, self.num_prompt_tokens = metrics, len(request.prompt_token_ids)
         self.started = time.monotonic()
         self.last_token_at: float | None = None
@@ -178,7 +177,7 @@ class EngineCollector(Collector):
                 yield family
             if self.engine.stats is not None:  # the page count is known once the engine reported
                 yield self._cache_config(prefix, stats)
-        yield from engram_figures(stats, labels)
+        yield from engram_figures(stats.engram or EngramStats(), labels)  # zeros without a tiered store
 
     def _cache_config(self, prefix: str, stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's info-style gauge (always 1): the page size and count ride in its labels."""
@@ -214,24 +213,24 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
     return figures
 
 
-def engram_figures(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+def engram_figures(stats: EngramStats, labels: list[str]) -> Iterator[Metric]:
     """The Engram row store (V4.1): rows served per tier, disk traffic, and prefetch waits."""
     rows = CounterMetricFamily("ds4serve:engram_rows_served", "Engram rows served, by the tier that served them.",
                                labels=[*LABELS, "tier"])
-    for tier, value in (("resident", stats.engram_rows_resident), ("device_cache", stats.engram_rows_device_cache),
-                        ("host_cache", stats.engram_rows_host_cache), ("disk", stats.engram_rows_disk)):
+    for tier, value in (("resident", stats.rows_resident), ("device_cache", stats.rows_device_cache),
+                        ("host_cache", stats.rows_host_cache), ("disk", stats.rows_disk)):
         rows.add_metric([*labels, tier], value)
     yield rows
-    for name, doc, value in (("engram_bytes_read", "Bytes read from Engram table files.", stats.engram_bytes_read),
+    for name, doc, value in (("engram_bytes_read", "Bytes read from Engram table files.", stats.bytes_read),
                              ("engram_read_errors", "Engram page reads that failed twice or did not verify.",
-                              stats.engram_read_errors)):
+                              stats.read_errors)):
         family = CounterMetricFamily(f"ds4serve:{name}", doc, labels=LABELS)
         family.add_metric(labels, value)
         yield family
     waits = HistogramMetricFamily("ds4serve:engram_prefetch_wait_seconds",
                                   "How long an Engram layer waited for its rows.", labels=LABELS)
-    buckets = [(str(edge), count) for edge, count in zip(PREFETCH_WAIT_BUCKETS, stats.engram_wait_buckets)]
-    waits.add_metric(labels, buckets + [("+Inf", stats.engram_wait_count)], stats.engram_wait_sum_s)
+    buckets = [(str(edge), count) for edge, count in zip(PREFETCH_WAIT_BUCKETS, stats.wait_buckets)]
+    waits.add_metric(labels, buckets + [("+Inf", stats.wait_count)], stats.wait_sum_s)
     yield waits
 
 

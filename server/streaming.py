@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from scheduler.request import Request, RequestOutput
+from contract import NewRequest, RequestOutput
 from server.engine_client import EngineClient
 from server.incremental_text import IncrementalText
 from server.protocol import Usage, error_body
@@ -63,7 +63,7 @@ class ChoiceStep:
 
 
 async def choice_steps(
-    engine: EngineClient, requests: list[Request], texts: list[IncrementalText], usage: StreamUsage,
+    engine: EngineClient, requests: list[NewRequest], texts: list[IncrementalText], usage: StreamUsage,
     choices_per_prompt: int, interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[ChoiceStep]:
     """Steps of every choice until all have finished. A choice that reaches a stop string ends there
@@ -72,7 +72,7 @@ async def choice_steps(
     the engine requests still open are then aborted."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
-    async def pump(index: int, request: Request) -> None:
+    async def pump(index: int, request: NewRequest) -> None:
         try:
             async for output in engine.generate(request):
                 await queue.put((index, output))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.admission import GiB, MemoryPlanError, plan_pages
-from server.config import load_config
-from worker.engine_factory import build_engine_core
+from contract.config import load_config
+from engine.admission import GiB, MemoryPlanError, plan_pages
+from engine.factory import build_engine_core
 
 
 def plan(**overrides):

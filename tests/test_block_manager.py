@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from contract import ChunkResult, EngineLimits, NewRequest, SamplingParams, StepResult, TokenLogprob
+from scheduler import Scheduler
 from scheduler.block_manager import BlockManager
-from scheduler.plan import ChunkResult, StepResult
-from scheduler.request import TokenLogprob
 
 
 def test_grow_and_close_keep_the_books_balanced():
@@ -47,11 +46,11 @@ def step_all(scheduler: Scheduler, token: int = 5) -> list[str]:
 
 def test_page_pressure_preempts_the_newest_and_recomputes_it():
     # 2 slots, 5 pages of 4 tokens: two 8-token prompts fit (4 pages); growing both needs 6.
-    limits = SchedulerLimits(2, 64, 20, 100, (), num_pages=5, block_tokens=4)
+    limits = EngineLimits(2, 64, 20, 100, (), num_pages=5, block_tokens=4)
     scheduler = Scheduler(limits)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    scheduler.add(Request("old", list(range(10, 18)), params))
-    scheduler.add(Request("new", list(range(20, 28)), params))
+    scheduler.add(NewRequest("old", list(range(10, 18)), params))
+    scheduler.add(NewRequest("new", list(range(20, 28)), params))
     assert step_all(scheduler) == ["old", "new"]
     ran = [step_all(scheduler) for _ in range(3)]
     assert scheduler.num_preemptions >= 1
@@ -64,17 +63,17 @@ def test_page_pressure_preempts_the_newest_and_recomputes_it():
 
 
 def test_requests_larger_than_the_whole_cache_are_refused_up_front():
-    limits = SchedulerLimits(2, 64, 1000, 100, (), num_pages=3, block_tokens=4)
+    limits = EngineLimits(2, 64, 1000, 100, (), num_pages=3, block_tokens=4)
     with pytest.raises(ValueError, match="needs 20 tokens of KV cache; this server's cache holds 12"):
-        Scheduler(limits).validate(Request("x", list(range(10)), SamplingParams(max_tokens=10)))
+        Scheduler(limits).validate(NewRequest("x", list(range(10)), SamplingParams(max_tokens=10)))
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_everything():
-    limits = SchedulerLimits(2, 8, 100, 100, (), num_pages=20, block_tokens=4)
+    limits = EngineLimits(2, 8, 100, 100, (), num_pages=20, block_tokens=4)
     scheduler = Scheduler(limits)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    scheduler.add(Request("long", list(range(40)), params))  # prefills over 5 steps of 8 tokens
-    scheduler.add(Request("short", [3, 4], params))
+    scheduler.add(NewRequest("long", list(range(40)), params))  # prefills over 5 steps of 8 tokens
+    scheduler.add(NewRequest("short", [3, 4], params))
     step_all(scheduler)
     assert scheduler.abort("long").finish_reason == "abort"  # mid-prefill
     scheduler.check_integrity()

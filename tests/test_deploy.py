@@ -16,8 +16,8 @@ import sys
 import pytest
 import yaml
 
+from contract.config import ConfigFileError, load_config
 from models.config import ModelConfig
-from server.config import ConfigFileError, load_config
 from tests.deploy_tools import REPO, compose_binary, hadolint, promtool, run
 
 COMPOSE_OVERRIDES = sorted((REPO / "docker").glob("compose*.yaml"))

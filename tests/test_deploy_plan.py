@@ -8,18 +8,18 @@ import sys
 import pytest
 import torch
 
+from contract.config import load_config
+from engine.factory import build_engine_core
+from engine.memory_plan import model_bytes
+from engine.plan import PlanRefused, build_plan, model_config_json
+from engine.plan_weights import weight_tensors
 from models import load_model
 from models.config import ModelConfig
 from models.loader import FLOAT32_MARKERS
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from server.__main__ import main as server_main
-from server.config import load_config
-from server.plan import PlanRefused, build_plan, model_config_json
-from server.plan_weights import weight_tensors
 from tests.deploy_tools import REPO, run
-from worker.engine_factory import build_engine_core
-from worker.memory_plan import model_bytes
 from worker.runner import ModelRunner
 
 GiB = 2**30
@@ -51,7 +51,7 @@ def rig(name: str, *overrides: str):
 
 
 def independent_bytes(config_json, quantization: str, dtype: torch.dtype) -> int:
-    """The meta model's bytes, counted here from its parameters alone (not through server/plan_weights.py):
+    """The meta model's bytes, counted here from its parameters alone (not through engine/plan_weights.py):
     as loaded, or as the release stores it (E2M1 pairs + a scale per 32 for experts, FP8 + a scale per
     block for the attention projections, shared expert and Engram wkv)."""
     model_config = ModelConfig.from_file(config_json)

@@ -8,8 +8,10 @@ import threading
 import pytest
 import torch
 
+from contract import EngineLimits, NewRequest, SamplingParams
+from engine.loop import EngineCore
 from models import ForwardBatch, ModelCache, load_model
-from scheduler import EngineCore, Request, SamplingParams, Scheduler, SchedulerLimits
+from scheduler import Scheduler
 from tests.conftest import random_tokens
 from worker import ModelRunner
 
@@ -22,11 +24,12 @@ class Collector:
         self.finished, self.expected = 0, expected
         self.done = threading.Event()
 
-    def __call__(self, output) -> None:
-        self.outputs.setdefault(output.request_id, []).append(output)
-        self.finished += output.finished
-        if self.finished == self.expected:
-            self.done.set()
+    def __call__(self, outputs) -> None:  # one engine step's outputs
+        for output in outputs:
+            self.outputs.setdefault(output.request_id, []).append(output)
+            self.finished += output.finished
+            if self.finished == self.expected:
+                self.done.set()
 
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outputs[rid] for t in o.new_token_ids]
@@ -36,7 +39,7 @@ class Collector:
 
 
 def serve(model, requests, *, max_num_seqs, budget, num_pages=None, deterministic=True):
-    limits = SchedulerLimits(
+    limits = EngineLimits(
         max_num_seqs, budget, MAX_LEN, model.config.vocab_size, model.config.eos_token_ids,
         num_pages=num_pages, block_tokens=16,
     )
@@ -70,11 +73,11 @@ def test_crowded_chunked_preempted_outputs_are_bitwise_the_solo_outputs(checkpoi
     requests = workload(seed=40)
     solo = {}
     for rid, (prompt, params) in requests.items():
-        collector, _ = serve(model, [Request(rid, prompt, params)], max_num_seqs=1, budget=512)
+        collector, _ = serve(model, [NewRequest(rid, prompt, params)], max_num_seqs=1, budget=512)
         solo[rid] = (collector.tokens(rid), collector.logprobs(rid))
     # 16 at once: 6 slots, 40-token steps (chunked prefill), pages for ~2.5 long sequences (preemption)
     crowded, scheduler = serve(
-        model, [Request(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40, num_pages=18
+        model, [NewRequest(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40, num_pages=18
     )
     assert scheduler.num_preemptions > 0, "the page budget was meant to force preemption"
     for rid in requests:
@@ -92,7 +95,7 @@ def test_default_mode_under_pressure_stays_on_the_argmax(checkpoints):
     requests = {rid: (p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
                 for rid, (p, _) in workload(seed=70).items()}
     crowded, scheduler = serve(
-        model, [Request(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40,
+        model, [NewRequest(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40,
         num_pages=18, deterministic=False,
     )
     assert scheduler.num_preemptions > 0
@@ -109,7 +112,7 @@ def test_default_mode_v41_prompt_logprobs_stay_within_the_golden_bounds(checkpoi
     requests = {rid: (p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
                 for rid, (p, _) in workload(seed=90).items()}
     crowded, scheduler = serve(
-        model, [Request(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40,
+        model, [NewRequest(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40,
         num_pages=18, deterministic=False,
     )
     deviations = []

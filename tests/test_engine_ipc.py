@@ -16,15 +16,28 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler import (
-    EngineStats, Request, RequestOutput, RequestRejected, SamplingParams, SchedulerLimits, TokenLogprob,
+from contract import (
+    Abort,
+    EngineFailed,
+    EngineLimits,
+    EngineReady,
+    EngineStats,
+    EngramStats,
+    ModelFacts,
+    NewRequest,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    Shutdown,
+    StepOutputs,
+    TokenLogprob,
 )
-from scheduler.codec import Abort, EngineFailed, EngineReady, Shutdown, decode, encode
-from server.config import load_config
+from contract.codec import decode, encode
+from contract.config import load_config
+from engine.factory import build_engine_core
 from server.engine_client import EngineClient
 from server.engine_process import EngineProcess, EngineStartError
 from tests.serving import running_server
-from worker.engine_factory import build_engine_core
 
 PARAMS = SamplingParams(
     max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, ignore_eos=True, stop_token_ids=(4, 9),
@@ -35,18 +48,22 @@ PARAMS = SamplingParams(
 
 def test_codec_round_trips_every_message():
     messages = [
-        Request("r-1", [5, 6, 7], PARAMS),
-        Request("r-2", [1], SamplingParams()),
+        NewRequest("r-1", [5, 6, 7], PARAMS),
+        NewRequest("r-2", [1], SamplingParams()),
         Abort("r-1"),
         Shutdown(),
-        EngineReady(SchedulerLimits(8, 512, 256, 512, (1, 2), num_pages=16, block_tokens=64), "cpu", "float32"),
-        RequestOutput(
-            "r-1", new_token_ids=(11,), new_logprobs=(TokenLogprob(11, -0.25, ((11, -0.25), (3, -math.inf))),),
-            prompt_logprobs=(None, TokenLogprob(6, -math.inf), TokenLogprob(7, -2.5, ((7, -2.5),))),
-            finished=True, finish_reason="length", num_prompt_tokens=3,
-        ),
-        RequestOutput("r-2", finished=True, finish_reason="error", error="step failed: boom", num_prompt_tokens=1),
+        EngineReady(EngineLimits(8, 512, 256, 512, (1, 2), num_pages=16, block_tokens=64), "cpu", "float32",
+                    ModelFacts("deepseek_v41", 0, (1, 2))),
+        StepOutputs((
+            RequestOutput(
+                "r-1", new_token_ids=(11,), new_logprobs=(TokenLogprob(11, -0.25, ((11, -0.25), (3, -math.inf))),),
+                prompt_logprobs=(None, TokenLogprob(6, -math.inf), TokenLogprob(7, -2.5, ((7, -2.5),))),
+                finished=True, finish_reason="length", num_prompt_tokens=3,
+            ),
+            RequestOutput("r-2", finished=True, finish_reason="error", error="step failed: boom", num_prompt_tokens=1),
+        )),
         EngineStats(running=3, waiting=1),
+        EngineStats(running=1, waiting=0, engram=EngramStats(rows_disk=7, wait_sum_s=0.5, wait_buckets=(1, 2, 3))),
         EngineFailed("the engine loop died"),
     ]
     for message in messages:
@@ -67,15 +84,15 @@ def engine(checkpoints):
     assert process.process.exitcode == 0
 
 
-async def collect(client: EngineClient, request: Request) -> list[RequestOutput]:
+async def collect(client: EngineClient, request: NewRequest) -> list[RequestOutput]:
     client.bind_loop(asyncio.get_running_loop())
     return [output async for output in client.generate(request)]
 
 
-def in_process(config, request: Request) -> list[RequestOutput]:
+def in_process(config, request: NewRequest) -> list[RequestOutput]:
     """The same request through an EngineCore on a thread of this process: the reference."""
     outputs: list[RequestOutput] = []
-    core, _ = build_engine_core(config, outputs.append)
+    core, _ = build_engine_core(config, outputs.extend)
     core.start()
     core.submit(request)
     deadline = time.time() + 60
@@ -89,9 +106,9 @@ def test_engine_process_serves_what_the_in_process_engine_serves(engine, checkpo
     client, process = engine
     assert process.ready.max_model_len == 256 and process.ready.limits.max_num_seqs == 4
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    requests = [Request(f"same-{i}", [5, 9, 33, 70, 12], greedy) for i in range(2)]
+    requests = [NewRequest(f"same-{i}", [5, 9, 33, 70, 12], greedy) for i in range(2)]
     sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
-    requests.append(Request("other", [40, 41, 42], sampled))
+    requests.append(NewRequest("other", [40, 41, 42], sampled))
 
     async def run_all():
         return await asyncio.gather(*(collect(client, r) for r in requests))
@@ -100,7 +117,7 @@ def test_engine_process_serves_what_the_in_process_engine_serves(engine, checkpo
     for outputs, request in zip(served, requests, strict=True):
         assert outputs[-1].finished and outputs[-1].finish_reason == "length"
         assert sum(len(o.new_token_ids) for o in outputs) == request.params.max_tokens
-    reference = in_process(engine_config(checkpoints["v41"]), Request("same-0", [5, 9, 33, 70, 12], greedy))
+    reference = in_process(engine_config(checkpoints["v41"]), NewRequest("same-0", [5, 9, 33, 70, 12], greedy))
     for outputs in served[:2]:  # batched in the engine process vs alone in this one: same tokens, close logprobs
         assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in reference]
         got = [lp for o in outputs for lp in o.new_logprobs] + list(outputs[0].prompt_logprobs[1:])
@@ -112,7 +129,7 @@ def test_engine_process_serves_what_the_in_process_engine_serves(engine, checkpo
 
 def test_abort_and_stats(engine):
     client, process = engine
-    request = Request("long", [5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    request = NewRequest("long", [5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
 
     async def abort_after_first_token() -> list[RequestOutput]:
         client.bind_loop(asyncio.get_running_loop())
@@ -132,16 +149,16 @@ def test_abort_and_stats(engine):
     while not idle(client.stats) and time.time() < deadline:
         time.sleep(0.1)
     assert idle(client.stats) and client.stats.pages_total > 0 and client.stats.steps > 0
-    after = Request("after", [8, 9], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    after = NewRequest("after", [8, 9], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert asyncio.run(collect(client, after))[-1].finish_reason == "length"
 
 
 def test_front_end_rejects_before_sending(engine):
     client, _ = engine
     with pytest.raises(RequestRejected, match="maximum context length is 256"):
-        client.validate(Request("too-long", [5] * 200, SamplingParams(max_tokens=100)))
+        client.validate(NewRequest("too-long", [5] * 200, SamplingParams(max_tokens=100)))
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
-        asyncio.run(collect(client, Request("bad-id", [5, 10**6], SamplingParams(max_tokens=2))))
+        asyncio.run(collect(client, NewRequest("bad-id", [5, 10**6], SamplingParams(max_tokens=2))))
 
 
 def test_startup_failure_is_a_clear_error(checkpoints, tmp_path, monkeypatch):

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from contract import EngineLimits, NewRequest, SamplingParams
 from engram_store.build import EngramConfigError
-from engram_store.convert import read_header, table_file, verify_table
+from engram_store.convert import read_header, table_file, verify_table, write_table
 from engram_store.format import PAGE, TableHeader, check_page
 from engram_store.store import EngramOptions
 from engram_store.uring import UringPageReader
-from engram_store.convert import write_table
 from models import ForwardBatch, ModelCache, load_model
-from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from scheduler import Scheduler
 from tests.conftest import random_tokens
 from worker import ModelRunner
 
@@ -73,11 +73,11 @@ def pages_of(model, prompt: list[int], layer_index: int) -> set[int]:
 
 
 def run_requests(model, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, str]]:
-    limits = SchedulerLimits(4, 512, 256, model.config.vocab_size, (), block_tokens=16)
+    limits = EngineLimits(4, 512, 256, model.config.vocab_size, (), block_tokens=16)
     runner = ModelRunner(model, 4, 256, num_pages=limits.total_pages, block_tokens=16)
     scheduler = Scheduler(limits)
     for rid, prompt in prompts.items():
-        scheduler.add(Request(rid, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+        scheduler.add(NewRequest(rid, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     errors: dict[str, str] = {}
     while scheduler.has_work:
@@ -160,20 +160,18 @@ def test_reaping_at_queue_depth_64_over_100k_reads(tmp_path):
 def test_store_counters_reach_the_engine_stats_and_metrics(checkpoints, tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from scheduler.engine_core import EngineStats
     from server.metrics import engram_figures
 
     model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t"))
-    limits = SchedulerLimits(2, 512, 256, model.config.vocab_size, (), block_tokens=16)
+    limits = EngineLimits(2, 512, 256, model.config.vocab_size, (), block_tokens=16)
     runner = ModelRunner(model, 2, 256, num_pages=limits.total_pages, block_tokens=16)
     scheduler = Scheduler(limits)
-    scheduler.add(Request("r", random_tokens(40, seed=9), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    scheduler.add(NewRequest("r", random_tokens(40, seed=9), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
     while scheduler.has_work:
         plan = scheduler.schedule()
         scheduler.update(plan, runner.execute(plan))
-    fields = runner.engram_stats()
-    assert fields["engram_rows_disk"] > 0 and fields["engram_bytes_read"] > 0 and fields["engram_wait_count"] >= 8
-    stats = EngineStats(running=0, waiting=0, **fields)
+    stats = runner.engram_stats()
+    assert stats.rows_disk > 0 and stats.bytes_read > 0 and stats.wait_count >= 8
 
     class Families:
         def collect(self):
@@ -182,8 +180,8 @@ def test_store_counters_reach_the_engine_stats_and_metrics(checkpoints, tmp_path
     registry = CollectorRegistry()
     registry.register(Families())
     text = generate_latest(registry).decode()
-    assert f'ds4serve:engram_rows_served_total{{engine="0",model_name="tiny",tier="disk"}} {float(fields["engram_rows_disk"])}' in text
-    assert f'ds4serve:engram_prefetch_wait_seconds_count{{engine="0",model_name="tiny"}} {float(fields["engram_wait_count"])}' in text
+    assert f'ds4serve:engram_rows_served_total{{engine="0",model_name="tiny",tier="disk"}} {float(stats.rows_disk)}' in text
+    assert f'ds4serve:engram_prefetch_wait_seconds_count{{engine="0",model_name="tiny"}} {float(stats.wait_count)}' in text
 
 
 def test_hints_warm_the_cache_and_aborted_requests_drop_theirs(checkpoints, tmp_path):

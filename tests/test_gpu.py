@@ -4,16 +4,16 @@ device, and no new device allocations after warm-up. CPU CI skips these."""
 from __future__ import annotations
 
 import gc
-
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from contract import EngineLimits, NewRequest, SamplingParams
 from engram_store.store import EngramOptions
 from models import ForwardBatch, ModelCache, load_model
-from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from scheduler import Scheduler
 from tests.conftest import random_tokens, relative_error
 from tests.test_v41_golden import GOLDEN
 from worker import ModelRunner
@@ -69,12 +69,12 @@ def test_engram_tiers_agree_on_cuda(checkpoints, tmp_path):
 def served_decode(model, cuda_graphs: bool) -> tuple[ModelRunner, dict, dict]:
     """Four greedy requests through the scheduler: 50 steps of warm-up, then 300 decode steps between
     two readings of torch.cuda.memory_stats. Returns (runner, before, after)."""
-    limits = SchedulerLimits(4, 64, 600, model.config.vocab_size, (), block_tokens=16)
+    limits = EngineLimits(4, 64, 600, model.config.vocab_size, (), block_tokens=16)
     runner = ModelRunner(model, 4, 600, device="cuda", num_pages=limits.total_pages, block_tokens=16, max_logit_rows=64,
                          cuda_graphs=cuda_graphs)
     scheduler = Scheduler(limits)
     for i in range(4):
-        scheduler.add(Request(f"r{i}", random_tokens(20, seed=i), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)))
+        scheduler.add(NewRequest(f"r{i}", random_tokens(20, seed=i), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)))
 
     def step():
         plan = scheduler.schedule()
@@ -105,11 +105,11 @@ def test_prefix_cache_hit_on_the_device(checkpoints, deterministic):
     model = load_model(checkpoints["v41"], device="cuda")
     prompt = random_tokens(90, seed=37)
     cold_engine, cold = make_engine(model, deterministic=deterministic, device="cuda")
-    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
+    run(cold_engine, cold, [NewRequest("cold", prompt, full_logprobs(model))])
     engine, warm = make_engine(model, deterministic=deterministic, device="cuda")
-    run(engine, warm, [Request("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    run(engine, warm, [NewRequest("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
     clobber(engine, warm)
-    run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
+    run(engine, warm, [NewRequest("warm", prompt, full_logprobs(model))])
     assert warm.cached("warm") == 37 and warm.tokens("warm") == cold.tokens("cold")
     if deterministic:
         assert warm.logprobs("warm") == cold.logprobs("cold")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import DecodeBatch, ForwardBatch, ModelCache, load_model
 from kernels.host_memory import mapped_host_bytes
+from models import DecodeBatch, ForwardBatch, ModelCache, load_model
 from models.host_tier import HostTierSpec, HotRing, TieredPages
 from models.packed_pages import PackedPages
 from tests.conftest import random_tokens
@@ -149,7 +149,7 @@ def test_a_page_copied_into_a_hot_page_is_read_back_from_the_ring(checkpoints):
 
 
 def test_plan_pages_budgets_the_host_tier_in_host_ram():
-    from scheduler.admission import plan_pages
+    from engine.admission import plan_pages
 
     common = dict(budget=1000, weights=0, workspace=0, slot_state=0, block_tokens=4, max_num_seqs=100,
                   max_model_len=100, pinned_pages=None)

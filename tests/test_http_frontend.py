@@ -14,9 +14,9 @@ import openai
 import orjson
 import pytest
 
-from scheduler.request import Request, RequestOutput, SamplingParams
+from contract import NewRequest, RequestOutput, SamplingParams
+from contract.config import ENV_API_KEY, load_config
 from server.completions import stream_completion
-from server.config import ENV_API_KEY, load_config
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest
 from tests.serving import server_process
@@ -164,7 +164,7 @@ def test_api_key_sources_in_order(tmp_path, monkeypatch):
 
 
 def test_default_config_affords_eight_sequences_of_4k(checkpoints):
-    from worker.engine_factory import build_engine_core
+    from engine.factory import build_engine_core
 
     config = load_config(None, [f"model.path={checkpoints['v41']}"])
     assert config.scheduler.max_num_seqs >= 8 and config.model.max_model_len >= 4096
@@ -183,9 +183,9 @@ class FakeEngine:
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
-    def submit(self, request: Request) -> None: ...
+    def submit(self, request: NewRequest) -> None: ...
 
-    def validate(self, request: Request) -> None: ...
+    def validate(self, request: NewRequest) -> None: ...
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -198,14 +198,14 @@ def stream_frames(last: RequestOutput | None, interrupt: asyncio.Event | None) -
         client.connect(engine)
         client.bind_loop(asyncio.get_running_loop())
         body = CompletionRequest(prompt=[5], max_tokens=10, stream=True)
-        frames = stream_completion(body, "cmpl-r", [Request("r", [5], SamplingParams())], client, CharTokenizer(),
+        frames = stream_completion(body, "cmpl-r", [NewRequest("r", [5], SamplingParams())], client, CharTokenizer(),
                                    "tiny", interrupt)
         first = asyncio.ensure_future(anext(frames))
         await asyncio.sleep(0.05)  # the stream has submitted its request
-        client.on_output(RequestOutput("r", new_token_ids=(ord("a"),)))
+        client.on_outputs([RequestOutput("r", new_token_ids=(ord("a"),))])
         seen = [await first]
         if last is not None:
-            client.on_output(last)
+            client.on_outputs([last])
         else:
             interrupt.set()
         seen += [frame async for frame in frames]

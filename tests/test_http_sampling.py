@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from scheduler.request import Request, RequestOutput, SamplingParams
+from contract import NewRequest, RequestOutput, SamplingParams
 from server.completions import IncrementalText, collect, stream_completion
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest
@@ -73,9 +73,9 @@ class FakeEngine:
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
-    def submit(self, request: Request) -> None: ...
+    def submit(self, request: NewRequest) -> None: ...
 
-    def validate(self, request: Request) -> None: ...
+    def validate(self, request: NewRequest) -> None: ...
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -85,7 +85,7 @@ async def play(client: EngineClient, request_id: str, text: str) -> None:
     """Delivers one output per character (token id = code point), yielding to the loop in between."""
     for char in text:
         await asyncio.sleep(0.01)
-        client.on_output(RequestOutput(request_id, new_token_ids=(ord(char),)))
+        client.on_outputs([RequestOutput(request_id, new_token_ids=(ord(char),))])
 
 
 def connected() -> tuple[EngineClient, FakeEngine]:
@@ -98,7 +98,7 @@ def connected() -> tuple[EngineClient, FakeEngine]:
 def test_collect_ends_at_a_stop_string_and_aborts_the_engine_request():
     async def run():
         client, engine = connected()
-        request = Request("r", [5], SamplingParams(max_tokens=10))
+        request = NewRequest("r", [5], SamplingParams(max_tokens=10))
         player = asyncio.create_task(play(client, "r", "abcdef"))
         generation = await collect(client, request, IncrementalText(CharTokenizer(), ("cd",)))
         await player
@@ -113,7 +113,7 @@ def test_stream_ends_a_choice_at_a_stop_string_and_aborts_its_engine_request_at_
     async def run():
         client, engine = connected()
         body = CompletionRequest(prompt=[5], max_tokens=10, stream=True, stop=["cd"])
-        requests = [Request("r", [5], SamplingParams()), Request("s", [5], SamplingParams())]
+        requests = [NewRequest("r", [5], SamplingParams()), NewRequest("s", [5], SamplingParams())]
         players = [asyncio.create_task(play(client, "r", "abcdef")), asyncio.create_task(play(client, "s", "x" * 20))]
         texts, aborted_while_open = {0: "", 1: ""}, None
         async for frame in stream_completion(body, "cmpl-r", requests, client, CharTokenizer(), "tiny"):
@@ -125,7 +125,7 @@ def test_stream_ends_a_choice_at_a_stop_string_and_aborts_its_engine_request_at_
                 await asyncio.sleep(0.05)
                 aborted_while_open = list(engine.aborted)  # choice 1 still streams
                 await players[1]
-                client.on_output(RequestOutput("s", finished=True, finish_reason="length"))
+                client.on_outputs([RequestOutput("s", finished=True, finish_reason="length")])
         return texts, aborted_while_open
 
     texts, aborted_while_open = asyncio.run(run())

@@ -102,8 +102,8 @@ def test_quantized_weights_kept_as_stored_give_the_dequantized_models_logits(cop
     MXFP4 experts stay packed (4.25 bits a weight); the logits are bitwise those of the model that
     dequantized them at load (the CPU reference dequantizes the same values per use)."""
     from kernels.moe import MXFP4Experts
-    from models.layers import Fp8Linear
     from models import ForwardBatch
+    from models.layers import Fp8Linear
     from tests.conftest import random_tokens
 
     dense = "model.layers.1.self_attn.q_b_proj"

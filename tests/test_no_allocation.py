@@ -8,8 +8,9 @@ import os
 
 import torch
 
+from contract import EngineLimits, NewRequest, SamplingParams
 from models import load_model
-from scheduler import Request, SamplingParams, Scheduler, SchedulerLimits
+from scheduler import Scheduler
 from tests.conftest import random_tokens
 from worker import ModelRunner
 
@@ -25,11 +26,11 @@ def rss_bytes() -> int:
 def test_decode_allocates_nothing_persistent(checkpoints):
     torch.set_num_threads(1)
     model = load_model(checkpoints["v41"])
-    limits = SchedulerLimits(4, 64, MAX_LEN, model.config.vocab_size, (), block_tokens=16)
+    limits = EngineLimits(4, 64, MAX_LEN, model.config.vocab_size, (), block_tokens=16)
     runner = ModelRunner(model, 4, MAX_LEN, num_pages=limits.total_pages, block_tokens=16, max_logit_rows=64)
     scheduler = Scheduler(limits)
     for i in range(4):
-        scheduler.add(Request(f"r{i}", random_tokens(20 + i, seed=i), SamplingParams(max_tokens=STEPS + 60, temperature=0.0, ignore_eos=True)))
+        scheduler.add(NewRequest(f"r{i}", random_tokens(20 + i, seed=i), SamplingParams(max_tokens=STEPS + 60, temperature=0.0, ignore_eos=True)))
 
     def step() -> None:
         plan = scheduler.schedule()

@@ -112,17 +112,17 @@ def test_engine_with_packed_pages_serves_a_prefix_hit_like_the_plain_cold_run(ch
     packed) then decoding, bitwise the plain cache's cold run in deterministic mode; also with the
     entries in the host tier behind a one-page ring (`hot_tokens`; the runner holds the ring before
     each step, and the partial page is copied into the host tier)."""
-    from scheduler import Request, SamplingParams
+    from contract import NewRequest, SamplingParams
     from tests.test_prefix_cache import clobber, full_logprobs, make_engine, run
 
     model = load_model(checkpoints["v41"])
     prompt = random_tokens(90, seed=37)
     cold_engine, cold = make_engine(model)
-    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
+    run(cold_engine, cold, [NewRequest("cold", prompt, full_logprobs(model))])
     engine, warm = make_engine(model, kv_cache_dtype="fp4", kv_hot_tokens=hot_tokens)
-    run(engine, warm, [Request("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    run(engine, warm, [NewRequest("first", prompt[:37], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
     clobber(engine, warm)
-    run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
+    run(engine, warm, [NewRequest("warm", prompt, full_logprobs(model))])
     assert warm.cached("warm") == 37
     assert warm.tokens("warm") == cold.tokens("cold") and warm.logprobs("warm") == cold.logprobs("cold")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from contract import EngineLimits, NewRequest, SamplingParams
+from engine.loop import EngineCore
 from models import load_model
-from scheduler import EngineCore, Request, SamplingParams, Scheduler, SchedulerLimits
+from scheduler import Scheduler
 from scheduler.block_manager import BlockManager
 from scheduler.prefix_cache import PrefixCache
 from tests.conftest import random_tokens
@@ -20,8 +22,9 @@ class Outputs:
     def __init__(self) -> None:
         self.by_request: dict[str, list] = {}
 
-    def __call__(self, output) -> None:
-        self.by_request.setdefault(output.request_id, []).append(output)
+    def __call__(self, outputs) -> None:  # one engine step's outputs
+        for output in outputs:
+            self.by_request.setdefault(output.request_id, []).append(output)
 
     def finished(self, rid: str) -> bool:
         return any(o.finished for o in self.by_request.get(rid, ()))
@@ -40,7 +43,7 @@ def make_engine(model, *, snapshots: int = 16, deterministic: bool = True, num_p
                 max_num_seqs: int = 4, budget: int = 64, device: str = "cpu",
                 kv_cache_dtype: str = "auto", kv_hot_tokens: int | None = None) -> tuple[EngineCore, Outputs]:
     config = model.config
-    limits = SchedulerLimits(max_num_seqs, budget, MAX_LEN, config.vocab_size, config.eos_token_ids,
+    limits = EngineLimits(max_num_seqs, budget, MAX_LEN, config.vocab_size, config.eos_token_ids,
                              num_pages=num_pages, block_tokens=BLOCK, prefix_snapshots=snapshots)
     runner = ModelRunner(model, max_num_seqs, MAX_LEN, device=device, num_pages=limits.total_pages, block_tokens=BLOCK,
                          deterministic=deterministic, snapshot_slots=snapshots, kv_cache_dtype=kv_cache_dtype,
@@ -49,7 +52,7 @@ def make_engine(model, *, snapshots: int = 16, deterministic: bool = True, num_p
     return EngineCore(Scheduler(limits), runner, outputs), outputs
 
 
-def run(engine: EngineCore, outputs: Outputs, requests: list[Request], watch=None) -> None:
+def run(engine: EngineCore, outputs: Outputs, requests: list[NewRequest], watch=None) -> None:
     """Steps the engine on this thread until every request finished; `watch(engine)` after each step."""
     for request in requests:
         engine.scheduler.add(request)
@@ -64,7 +67,7 @@ def run(engine: EngineCore, outputs: Outputs, requests: list[Request], watch=Non
 
 def clobber(engine: EngineCore, outputs: Outputs) -> None:
     """Runs an unrelated request, so the slots no longer hold the state a hit must restore."""
-    run(engine, outputs, [Request(f"other-{len(outputs.by_request)}", random_tokens(30, seed=99),
+    run(engine, outputs, [NewRequest(f"other-{len(outputs.by_request)}", random_tokens(30, seed=99),
                                   SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))])
 
 
@@ -85,12 +88,12 @@ def model(request, checkpoints):
 def test_deterministic_hit_is_bitwise_the_cold_run(model, hit):
     prompt = random_tokens(90, seed=hit)
     cold_engine, cold = make_engine(model)
-    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model))])
+    run(cold_engine, cold, [NewRequest("cold", prompt, full_logprobs(model))])
     assert cold.cached("cold") == 0
     engine, warm = make_engine(model)
-    run(engine, warm, [Request("first", prompt[:hit], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    run(engine, warm, [NewRequest("first", prompt[:hit], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
     clobber(engine, warm)
-    run(engine, warm, [Request("warm", prompt, full_logprobs(model))])
+    run(engine, warm, [NewRequest("warm", prompt, full_logprobs(model))])
     assert warm.cached("warm") == hit
     assert warm.tokens("warm") == cold.tokens("cold")
     assert warm.logprobs("warm") == cold.logprobs("cold")  # every logprob of the vocabulary, bitwise
@@ -99,11 +102,11 @@ def test_deterministic_hit_is_bitwise_the_cold_run(model, hit):
 def test_default_mode_hit_agrees_with_the_cold_run(model):
     prompt = random_tokens(100, seed=5)
     cold_engine, cold = make_engine(model, deterministic=False)
-    run(cold_engine, cold, [Request("cold", prompt, full_logprobs(model, 8))])
+    run(cold_engine, cold, [NewRequest("cold", prompt, full_logprobs(model, 8))])
     engine, warm = make_engine(model, deterministic=False)
-    run(engine, warm, [Request("first", prompt[:53], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))])
+    run(engine, warm, [NewRequest("first", prompt[:53], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))])
     clobber(engine, warm)
-    run(engine, warm, [Request("warm", prompt, full_logprobs(model, 8))])
+    run(engine, warm, [NewRequest("warm", prompt, full_logprobs(model, 8))])
     assert warm.cached("warm") == 53
     assert warm.tokens("warm") == cold.tokens("cold")
     for a, b in zip(warm.logprobs("warm"), cold.logprobs("cold"), strict=True):
@@ -114,22 +117,22 @@ def test_follow_up_resumes_where_the_first_request_finished(model):
     """A chat's next turn: the first answer's tokens (all but the last, never computed) are reused."""
     prompt = random_tokens(40, seed=9)
     engine, outputs = make_engine(model)
-    run(engine, outputs, [Request("turn1", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])
+    run(engine, outputs, [NewRequest("turn1", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])
     follow_up = prompt + outputs.tokens("turn1") + random_tokens(12, seed=10)
     clobber(engine, outputs)
-    run(engine, outputs, [Request("turn2", follow_up, full_logprobs(model))])
+    run(engine, outputs, [NewRequest("turn2", follow_up, full_logprobs(model))])
     assert outputs.cached("turn2") == len(prompt) + 10 - 1
     cold_engine, cold = make_engine(model)
-    run(cold_engine, cold, [Request("turn2", follow_up, full_logprobs(model))])
+    run(cold_engine, cold, [NewRequest("turn2", follow_up, full_logprobs(model))])
     assert outputs.logprobs("turn2") == cold.logprobs("turn2")
 
 
 def test_concurrent_requests_share_the_prefix_pages(model):
     shared = random_tokens(64, seed=11)
     engine, outputs = make_engine(model)
-    run(engine, outputs, [Request("warm-up", shared + [9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    run(engine, outputs, [NewRequest("warm-up", shared + [9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
     clobber(engine, outputs)
-    followers = [Request(f"f{i}", shared + random_tokens(20, seed=20 + i), full_logprobs(model, 4)) for i in range(2)]
+    followers = [NewRequest(f"f{i}", shared + random_tokens(20, seed=20 + i), full_logprobs(model, 4)) for i in range(2)]
     held: list[int] = []
     run(engine, outputs, followers, watch=lambda e: held.append(e.scheduler.stats().blocks.held))
     assert [outputs.cached(r.request_id) for r in followers] == [64, 64]
@@ -137,7 +140,7 @@ def test_concurrent_requests_share_the_prefix_pages(model):
     assert max(held) == 8
     for request in followers:
         cold_engine, cold = make_engine(model)
-        run(cold_engine, cold, [Request(request.request_id, request.prompt_token_ids, full_logprobs(model, 4))])
+        run(cold_engine, cold, [NewRequest(request.request_id, request.prompt_token_ids, full_logprobs(model, 4))])
         assert outputs.logprobs(request.request_id) == cold.logprobs(request.request_id)
 
 
@@ -145,10 +148,10 @@ def test_cache_salt_keeps_tenants_apart(model):
     prompt = random_tokens(50, seed=12)
     engine, outputs = make_engine(model)
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    run(engine, outputs, [Request("a1", prompt, greedy, cache_salt="tenant-a")])
-    run(engine, outputs, [Request("b1", prompt, greedy, cache_salt="tenant-b"), Request("n1", prompt, greedy)])
+    run(engine, outputs, [NewRequest("a1", prompt, greedy, cache_salt="tenant-a")])
+    run(engine, outputs, [NewRequest("b1", prompt, greedy, cache_salt="tenant-b"), NewRequest("n1", prompt, greedy)])
     assert outputs.cached("b1") == outputs.cached("n1") == 0
-    run(engine, outputs, [Request("a2", prompt, greedy, cache_salt="tenant-a")])
+    run(engine, outputs, [NewRequest("a2", prompt, greedy, cache_salt="tenant-a")])
     assert outputs.cached("a2") == len(prompt)
 
 
@@ -161,8 +164,8 @@ def test_pressure_evicts_cached_points_but_never_held_pages(model):
         e.scheduler.check_integrity()  # held pages are exactly the running tables', never handed out twice
 
     for i in range(6):
-        run(engine, outputs, [Request(f"r{i}a", random_tokens(70, seed=30 + i), greedy),
-                              Request(f"r{i}b", random_tokens(60, seed=40 + i), greedy)], watch=watch)
+        run(engine, outputs, [NewRequest(f"r{i}a", random_tokens(70, seed=30 + i), greedy),
+                              NewRequest(f"r{i}b", random_tokens(60, seed=40 + i), greedy)], watch=watch)
     stats = engine.scheduler.stats()
     assert stats.blocks.held == 0 and stats.blocks.cached > 0 and stats.prefix_points > 0
 

@@ -8,10 +8,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from scheduler.plan import ChunkResult, StepPlan, StepResult
-from scheduler.request import InvalidSamplingParams, Request, RequestOutput, SamplingParams, TokenLogprob
-from scheduler.scheduler import Scheduler, SchedulerLimits
+from contract import (
+    ChunkResult,
+    EngineLimits,
+    InvalidSamplingParams,
+    NewRequest,
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+from scheduler.scheduler import Scheduler
 from worker.sampler import sample
+
 
 def row(*values: float, vocab: int = 8) -> torch.Tensor:
     """A logits row whose first entries are `values`, the rest far below."""
@@ -111,7 +121,7 @@ def test_validate_rejects_ids_outside_the_vocabulary_and_min_tokens_above_max_to
 
 
 def scheduler() -> Scheduler:
-    return Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, vocab_size=32, eos_token_ids=(1,)))
+    return Scheduler(EngineLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, vocab_size=32, eos_token_ids=(1,)))
 
 
 def step(sched: Scheduler, token: int) -> tuple[StepPlan, list[RequestOutput]]:
@@ -125,9 +135,9 @@ def step(sched: Scheduler, token: int) -> tuple[StepPlan, list[RequestOutput]]:
 
 def test_scheduler_sends_histories_only_to_penalized_requests():
     sched = scheduler()
-    sched.add(Request("plain", [3, 4, 5], SamplingParams()))
-    sched.add(Request("presence", [3, 4, 5], SamplingParams(presence_penalty=1.0)))
-    sched.add(Request("repeat", [3, 4, 5], SamplingParams(repetition_penalty=1.2)))
+    sched.add(NewRequest("plain", [3, 4, 5], SamplingParams()))
+    sched.add(NewRequest("presence", [3, 4, 5], SamplingParams(presence_penalty=1.0)))
+    sched.add(NewRequest("repeat", [3, 4, 5], SamplingParams(repetition_penalty=1.2)))
     step(sched, 9)
     chunks = {c.request_id: c for c in step(sched, 9)[0].chunks}
     assert (chunks["plain"].prompt_token_ids, chunks["plain"].output_token_ids) == ((), ())
@@ -137,7 +147,7 @@ def test_scheduler_sends_histories_only_to_penalized_requests():
 
 def test_eos_and_stop_ids_do_not_end_a_request_before_min_tokens():
     sched = scheduler()
-    sched.add(Request("r", [3, 4, 5], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(6,))))
+    sched.add(NewRequest("r", [3, 4, 5], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(6,))))
     plan, outputs = step(sched, 1)
     assert plan.chunks[0].params.stop_token_ids == (6, 1)  # eos banned for this draw
     assert not outputs[0].finished

@@ -259,7 +259,7 @@ def test_a_size_that_does_not_divide_is_refused_by_name(checkpoints):
 
 def engram_fault_rank(rank: int, port: int, model_dir: Path, tables: Path, out: Path) -> None:
     """One rank of a step whose Engram reads fail on rank 1 only (EIO on every page it reads)."""
-    from scheduler import SamplingParams, ScheduledChunk, StepPlan
+    from contract import SamplingParams, ScheduledChunk, StepPlan
     from worker import ModelRunner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

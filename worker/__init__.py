@@ -1,16 +1,6 @@
-"""Worker: model runner, sampler and cache tiers (rank 0 runs in the engine process).
+"""Worker: model runner, sampler, CUDA graphs and the tensor-parallel pool (rank 0 runs in the engine
+process). Imports torch: only the engine process and the ranks import this package."""
 
-`ModelRunner` is imported on first use, so the HTTP front end can read `worker.launch_env` without
-loading torch."""
-
-from __future__ import annotations
+from worker.runner import ModelRunner
 
 __all__ = ["ModelRunner"]
-
-
-def __getattr__(name: str):
-    if name == "ModelRunner":
-        from worker.runner import ModelRunner
-
-        return ModelRunner
-    raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -11,12 +11,12 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from contract import ChunkResult, EngramStats, StepPlan, StepResult
 from kernels.batch_invariant import BatchInvariantMode
 from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
-from scheduler.plan import ChunkResult, StepPlan, StepResult
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
 from worker.sampler import argmax_rows, draws_plain_argmax, sample, token_logprobs
 
@@ -203,18 +203,11 @@ class ModelRunner:
         ids = memory.next_row_ids(np.array([token for _, token in sampled]), contexts)  # this rank's rows
         source.hint([chunk.request_id for chunk, _ in sampled], ids)  # one hint a step
 
-    def engram_stats(self) -> dict:
-        """The Engram store's counters as EngineStats fields (empty without a tiered store)."""
+    # -- the rest of the ModelExecutor protocol (contract/executor.py) ------------------------------
+    def engram_stats(self) -> EngramStats | None:
+        """The Engram store's counters (None without a tiered store)."""
         stats = getattr(getattr(getattr(self.model, "engram_memory", None), "source", None), "stats", None)
-        if stats is None:
-            return {}
-        return {
-            "engram_rows_resident": stats.rows_resident, "engram_rows_device_cache": stats.rows_device_cache,
-            "engram_rows_host_cache": stats.rows_host_cache, "engram_rows_disk": stats.rows_disk,
-            "engram_bytes_read": stats.bytes_read, "engram_read_errors": stats.read_errors,
-            "engram_wait_count": stats.wait_count, "engram_wait_sum_s": stats.wait_sum_s,
-            "engram_wait_buckets": tuple(stats.wait_buckets),
-        }
+        return None if stats is None else stats.snapshot()
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: its pending Engram prefetches are dropped."""
@@ -222,6 +215,15 @@ class ModelRunner:
         cancel = getattr(getattr(memory, "source", None), "cancel", None)
         if cancel is not None:
             cancel(request_id)
+
+    def maintain(self) -> None:
+        """One runner has nothing to repair between steps."""
+
+    def health(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        """The runner starts no processes; its memory goes with it."""
 
     @staticmethod
     def _rows_wanted(chunk) -> list[int]:

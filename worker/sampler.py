@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from contract import SamplingParams, TokenLogprob
 from kernels import stable_topk
-from scheduler.request import SamplingParams, TokenLogprob
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprob:

@@ -34,15 +34,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scheduler.codec import decode_plan, encode_plan
-from worker.launch_env import external_rank, launched_externally
-from scheduler.plan import StepPlan, StepResult
+from contract import EngramStats, StepPlan, StepResult
+from contract.codec import decode_plan, encode_plan
+from contract.launch_env import external_rank, launched_externally
 
 if TYPE_CHECKING:
-    from server.config import ServeConfig
+    from contract.config import ServeConfig
     from worker.runner import ModelRunner
 
 log = logging.getLogger("ds4serve.tp")
+# (plan_group=, num_pages=) -> (this rank's runner, its memory plan or None)
+RunnerBuilder = Callable[..., tuple["ModelRunner", object]]
 
 HEADER_BYTES = 8
 FIRST_FRAME = 64 * 1024  # most plans fit one broadcast; a longer one sends the rest in a second
@@ -111,26 +113,26 @@ def leave_group() -> None:
             log.debug("destroying the process group failed", exc_info=True)
 
 
-def external_rank_main(config: "ServeConfig") -> int:
+def external_rank_main(config: "ServeConfig", build: RunnerBuilder, device: str) -> int:
     """`python -m server` as rank >= 1 under torchrun: no HTTP, only the plans rank 0 sends."""
     rank, world, local_rank, master = external_rank()
     if world != config.parallel.tensor_parallel_size:
         raise ValueError(f"parallel.tensor_parallel_size is {config.parallel.tensor_parallel_size} but the launcher "
                          f"started {world} ranks (WORLD_SIZE)")
-    rank_main(rank, world, master, config, None, local_rank)
+    rank_main(rank, world, master, config, build, device, None, local_rank)
     return 0
 
 
-def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConfig", num_pages: int | None,
-              local_rank: int | None = None) -> None:
-    """Entry point of ranks 1..N-1: build the same runner as rank 0, then run the plans it sends."""
-    from server.logging_setup import configure_logging
-    from worker.engine_factory import build_runner, resolve_device
+def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConfig", build: RunnerBuilder,
+              device: str, num_pages: int | None, local_rank: int | None = None) -> None:
+    """Entry point of ranks 1..N-1: build the same runner as rank 0 (`build`, the engine factory's,
+    picklable), then run the plans it sends."""
+    from contract.logs import configure_logging
 
     configure_logging(logging.INFO, config.server.log_format)
     local_rank = rank if local_rank is None else local_rank
-    group = join_group(rank, world, local_rank, master, resolve_device(config), config.parallel.timeout_s)
-    runner, _ = build_runner(config, plan_group=group, num_pages=num_pages)
+    group = join_group(rank, world, local_rank, master, device, config.parallel.timeout_s)
+    runner, _ = build(plan_group=group, num_pages=num_pages)
     channel = PlanChannel(group)
     while (plan := channel.receive()) is not None:
         runner.execute(plan)
@@ -140,9 +142,11 @@ def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConf
 class WorkerPool:
     """The engine's executor. With one rank it is rank 0's runner behind one more call."""
 
-    def __init__(self, config: "ServeConfig", build: Callable[..., tuple["ModelRunner", object]]) -> None:
-        """`build(plan_group=..., num_pages=...)` makes this process's runner (worker/engine_factory.py)."""
-        self.config, self.build = config, build
+    def __init__(self, config: "ServeConfig", build: RunnerBuilder, device: str) -> None:
+        """`build(plan_group=..., num_pages=...)` makes this process's runner (engine/factory.py; it is
+        sent to the rank processes too, so it must pickle); `device`: "cpu" or "cuda" (ranks take
+        theirs by local rank)."""
+        self.config, self.build, self.device = config, build, device
         self.world = config.parallel.tensor_parallel_size
         self.external = self.world > 1 and launched_externally()  # torchrun started the other ranks
         if self.external and external_rank()[:2] != (0, self.world):
@@ -164,8 +168,6 @@ class WorkerPool:
     def _start(self, num_pages: int | None):
         if self.world == 1:
             return self.build(plan_group=None, num_pages=num_pages)
-        from worker.engine_factory import resolve_device
-
         local_rank = 0
         if self.external:
             _, _, local_rank, master = external_rank()
@@ -173,13 +175,13 @@ class WorkerPool:
             master = ("127.0.0.1", free_port())
             context = mp.get_context("spawn")
             self.processes = [
-                context.Process(target=rank_main, args=(rank, self.world, master, self.config, num_pages),
+                context.Process(target=rank_main, args=(rank, self.world, master, self.config, self.build, self.device, num_pages),
                                 name=f"ds4serve-tp-rank{rank}", daemon=True)
                 for rank in range(1, self.world)
             ]
             for process in self.processes:
                 process.start()
-        group = join_group(0, self.world, local_rank, master, resolve_device(self.config), self.config.parallel.timeout_s)
+        group = join_group(0, self.world, local_rank, master, self.device, self.config.parallel.timeout_s)
         runner, memory_plan = self.build(plan_group=group, num_pages=num_pages)
         self.channel = PlanChannel(group)
         self._dead = None
@@ -238,13 +240,13 @@ class WorkerPool:
 
     def cancel(self, request_id: str) -> None:
         """An aborted request: rank 0 drops its pending Engram prefetches."""
-        cancel = getattr(self.runner, "cancel", None)
-        if cancel is not None:
-            cancel(request_id)
+        self.runner.cancel(request_id)
 
-    def engram_stats(self) -> dict:
-        stats = getattr(self.runner, "engram_stats", None)
-        return stats() if stats is not None else {}
+    def engram_stats(self) -> EngramStats | None:
+        return self.runner.engram_stats()
+
+    def health(self) -> str | None:
+        return self.unhealthy
 
     def close(self) -> None:
         """Stops every rank (a stop plan, then kill after a grace period): no process outlives the pool."""

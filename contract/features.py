@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.config import ServeConfig
+from contract.config import ServeConfig
 
 
 @dataclass(frozen=True)

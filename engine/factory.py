@@ -1,31 +1,35 @@
-"""Builds the engine (model, runner, scheduler) from a validated server config.
+"""Builds the engine (model, runner, scheduler) from a validated config.
 
-The one place that turns config sections into engine objects; the engine process calls it (today the
-HTTP process, on a thread). Front-end code never imports the model.
+The one place that turns config sections into engine objects; the engine process (engine/process.py)
+and the tensor-parallel ranks call it. Front-end code never imports it: what the front end needs of
+the model travels in EngineReady (ModelFacts).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from contract import EngineLimits, ModelFacts
+from contract.config import DEFAULT_MODEL_DIR
+from engine.admission import MemoryPlan, plan_pages
+from engine.loop import EngineCore, OutputSink
+from engine.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
 from engram_store.store import EngramOptions
 from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity
-from scheduler import EngineCore, RequestOutput, Scheduler, SchedulerLimits
-from scheduler.admission import MemoryPlan, plan_pages
-from worker.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
+from scheduler import Scheduler
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool
 
 if TYPE_CHECKING:
-    from server.config import ServeConfig
+    from contract.config import ServeConfig
 
 log = logging.getLogger("ds4serve.engine")
 
@@ -38,6 +42,21 @@ class EngineSpec:
     device: str
     dtype: str
     memory: MemoryPlan
+    model: ModelFacts
+
+
+def ensure_default_model(model_dir: Path) -> None:
+    """The embedded default (configs/cpu-tiny.yaml without model.path) is built on first start."""
+    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").exists():
+        from models.tiny import build_tiny_checkpoint
+
+        log.info("building the tiny default checkpoint in %s", model_dir)
+        build_tiny_checkpoint(model_dir)
+
+
+def model_facts(model_config: ModelConfig) -> ModelFacts:
+    return ModelFacts(model_type=model_config.model_type, bos_token_id=model_config.bos_token_id,
+                      eos_token_ids=tuple(model_config.eos_token_ids))
 
 
 def resolve_device(config: "ServeConfig") -> str:
@@ -72,15 +91,16 @@ class EngineConfigError(ValueError):
     """A config the engine cannot run with; names the key."""
 
 
-def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput], None]) -> tuple[EngineCore, EngineSpec]:
+def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[EngineCore, EngineSpec]:
     """The engine over a worker pool of `parallel.tensor_parallel_size` ranks (this process is rank 0)."""
+    ensure_default_model(config.model_dir)
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
     check_block_tokens(config, model_config)
     check_kv_cache_dtype(config, model_config)
-    pool = WorkerPool(config, partial(build_runner, config))
+    pool = WorkerPool(config, partial(build_runner, config), resolve_device(config))
     sched = config.scheduler
-    limits = SchedulerLimits(
+    limits = EngineLimits(
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=max_len,
@@ -90,11 +110,12 @@ def build_engine_core(config: "ServeConfig", on_output: Callable[[RequestOutput]
         block_tokens=sched.block_tokens,
         prefix_snapshots=sched.snapshot_slots,
     )
-    engine = EngineCore(Scheduler(limits), pool, on_output)
+    engine = EngineCore(Scheduler(limits), pool, on_outputs)
     device = resolve_device(config)
     dtype = str(resolve_dtype(config, device)).removeprefix("torch.")
     log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype, pool.world)
-    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype, memory=pool.memory_plan)
+    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype, memory=pool.memory_plan,
+                              model=model_facts(model_config))
 
 
 def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.request import SamplingParams, TokenLogprob
+from contract.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """`python -m server plan --config X`: a rig's memory plan, every byte by purpose, without serving.
 
 Runs on any machine (no GPU, no weights): the model comes from config.json on the meta device
-(server/plan_weights.py), the rig from the YAML (`memory.gpu_memory_gb` stands in for the device the
-server would measure). The KV arithmetic is scheduler/admission.py's, the one the engine uses at start:
+(engine/plan_weights.py), the rig from the YAML (`memory.gpu_memory_gb` stands in for the device the
+server would measure). The KV arithmetic is engine/admission.py's, the one the engine uses at start:
 
     KV pages = (budget - weights - workspace - slot state) / page bytes,  per rank
 
@@ -14,7 +14,7 @@ files on NVMe with host and device row caches), at the release's row format: fp8
 scale per 32 channels.
 
 Exit status: 0 the rig fits; 1 it does not (the message says by how much and what to change, or which
-unbuilt feature it names, server/features.py); 2 the config itself is wrong (names the key and file).
+unbuilt feature it names, contract/features.py); 2 the config itself is wrong (names the key and file).
 """
 
 from __future__ import annotations
@@ -26,12 +26,7 @@ from pathlib import Path
 
 import torch
 
-from models.cache import ModelCache, page_granularity
-from models.config import ConfigError, ModelConfig
-from models.engram_hash import EngramLayout
-from models.host_tier import HostTierSpec
-from scheduler.admission import MemoryPlan, MemoryPlanError, plan_pages
-from server.config import (
+from contract.config import (
     DEFAULT_CONFIG,
     REPO_ROOT,
     ConfigFileError,
@@ -39,11 +34,21 @@ from server.config import (
     ServeConfig,
     load_config,
 )
-from server.features import Unbuilt, unbuilt_features
-from server.plan_weights import KINDS, WeightTensor, weight_tensors
-from worker.engine_factory import (
-    EngineConfigError, cache_dtype, check_kv_cache_dtype, hot_tokens, max_model_len, resolve_dtype,
+from contract.features import Unbuilt, unbuilt_features
+from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
+from engine.factory import (
+    EngineConfigError,
+    cache_dtype,
+    check_kv_cache_dtype,
+    hot_tokens,
+    max_model_len,
+    resolve_dtype,
 )
+from engine.plan_weights import KINDS, WeightTensor, weight_tensors
+from models.cache import ModelCache, page_granularity
+from models.config import ConfigError, ModelConfig
+from models.engram_hash import EngramLayout
+from models.host_tier import HostTierSpec
 
 GiB = 2**30
 MODELS_DIR = REPO_ROOT / "configs" / "models"
@@ -99,7 +104,7 @@ def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
     if override:
         return Path(override)
     if config.model.path is None:
-        from server.launch import ensure_default_model
+        from engine.factory import ensure_default_model
 
         ensure_default_model(config.model_dir)
     for candidate in (config.model_dir / "config.json", MODELS_DIR / config.model_dir.name / "config.json"):
@@ -231,7 +236,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
 
 def budgets(config: ServeConfig, device: str, ranks: int) -> tuple[int, int]:
     """(bytes each rank may fill, host RAM): a share of one GPU as the engine takes it
-    (worker/memory_plan.py), or on the CPU the host's RAM split among the ranks."""
+    (engine/memory_plan.py), or on the CPU the host's RAM split among the ranks."""
     host = int(config.memory.host_memory_gb * GiB)
     if device == "cuda":
         return int(config.memory.gpu_memory_gb * GiB * config.memory.gpu_memory_utilization), host

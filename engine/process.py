@@ -1,8 +1,8 @@
 """The engine process: builds the engine, then relays frames between its loop and the front end.
 
-Started by server/engine_process.py with the "spawn" context, so it is a fresh interpreter with no
+Started by server/engine_process.py (the front end) with the "spawn" context, so it is a fresh interpreter with no
 FastAPI and none of the front end's threads. The engine loop (EngineCore) runs on its own thread and
-sends outputs as they are produced; this process's main thread receives requests and aborts, sends
+sends each step's outputs as one frame; this process's main thread receives requests and aborts, sends
 EngineStats when they change, and ends the process when the front end says so, when the front end's
 process is gone (no orphans), or when the loop thread died (after telling the front end).
 
@@ -19,16 +19,28 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import zmq
 
-from scheduler import EngineCore, EngineStats, Request, RequestOutput, RequestRejected
-from scheduler.codec import Abort, EngineFailed, EngineReady, FromEngine, Shutdown, decode, encode
-from worker.engine_factory import build_engine_core
+from contract import (
+    Abort,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    NewRequest,
+    RequestOutput,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+)
+from contract.codec import decode, encode
+from contract.messages import FromEngine
 
-if TYPE_CHECKING:
-    from server.config import ServeConfig
+if TYPE_CHECKING:  # the engine's modules import torch: loaded only inside the spawned process
+    from contract.config import ServeConfig
+    from engine.loop import EngineCore
 
 log = logging.getLogger("ds4serve.engine")
 STATS_INTERVAL_S = 1.0
@@ -51,14 +63,21 @@ class Outbox:
             if not self._socket.closed:  # a step that outlived the loop's stop timeout reports to no one
                 self._socket.send(frame)
 
+    def send_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        """One engine step's outputs, as one frame (the loop thread calls it)."""
+        self.send(StepOutputs(tuple(outputs)))
+
     def close(self) -> None:
         with self._lock:
             self._socket.close()
 
 
 def run_engine_process(config: ServeConfig, requests_address: str, outputs_address: str, log_level: int) -> None:
-    """The process entry point. Exit code 0 after a shutdown or a lost front end, 1 after a failure."""
-    from server.logging_setup import configure_logging  # stdlib only: the same lines as the front end's
+    """The process entry point. Exit code 0 after a shutdown or a lost front end, 1 after a failure.
+    The engine's modules (torch, the model) are imported here, in the spawned process, never at module
+    level: the front end imports this module to name the spawn target."""
+    from contract.logs import configure_logging  # stdlib only: the same lines as the front end's
+    from engine.factory import build_engine_core
 
     configure_logging(log_level, config.server.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end stops us
@@ -69,13 +88,13 @@ def run_engine_process(config: ServeConfig, requests_address: str, outputs_addre
     requests.bind(requests_address)
     failure: str | None
     try:
-        engine, spec = build_engine_core(config, outbox.send)
+        engine, spec = build_engine_core(config, outbox.send_outputs)
     except Exception as exc:  # reported to the front end, which refuses to start with this message
         log.exception("engine failed to start")
         outbox.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         failure = str(exc)
     else:
-        outbox.send(EngineReady(limits=engine.scheduler.limits, device=spec.device, dtype=spec.dtype))
+        outbox.send(EngineReady(limits=engine.scheduler.limits, device=spec.device, dtype=spec.dtype, model=spec.model))
         engine.start()
         failure = serve(engine, requests, outbox)
         engine.stop()
@@ -117,14 +136,14 @@ def serve(engine: EngineCore, requests: zmq.Socket, outbox: Outbox) -> str | Non
 
 def handle(engine: EngineCore, message: object, outbox: Outbox) -> bool:
     """Applies one front-end message; False for shutdown."""
-    if isinstance(message, Request):
+    if isinstance(message, NewRequest):
         try:
             engine.submit(message)
         except RequestRejected as exc:  # the front end validated against the same limits; a safety net
-            outbox.send(RequestOutput(
+            outbox.send_outputs([RequestOutput(
                 message.request_id, finished=True, finish_reason="error", error=str(exc),
                 num_prompt_tokens=len(message.prompt_token_ids),
-            ))
+            )])
     elif isinstance(message, Abort):
         engine.abort(message.request_id)
     else:

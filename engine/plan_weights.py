@@ -10,7 +10,7 @@ follow the format the server holds it in (`model.quantization`):
   shared expert and Engram's wkv FP8 e4m3 with one scale per `weight_block_size` block (ue8m0: 1 byte,
   else float32); everything else as `none` holds it. That split reproduces the published V4.1-Flash
   safetensors headers group by group (tests/test_deploy_plan.py).
-Engram tables are not weights here: they live in their own tiers (server/plan.py).
+Engram tables are not weights here: they live in their own tiers (engine/plan.py).
 
 Across tensor-parallel ranks, the sharding of issue 9: routed experts (expert parallel), the q / o
 projections, the shared expert, the embedding and the head are split; everything else is replicated.

@@ -113,7 +113,7 @@ class MetricsSection(Section):
 
 class OffloadSection(Section):
     """What leaves the GPU for rigs whose GPUs cannot hold the model. Expert offload is not built yet,
-    so `plan` and serving refuse anything but none for it (server/features.py)."""
+    so `plan` and serving refuse anything but none for it (contract/features.py)."""
 
     experts: Literal["none", "host", "disk"] = "none"  # routed experts in host RAM / on NVMe, streamed per step
     # host_packed: V4.1's compressed KV entries packed FP4 (as memory.kv_cache_dtype fp4) in pinned shared

@@ -5,7 +5,7 @@
 capped at what `max_num_seqs` sequences of `max_model_len` tokens can use, or `memory.num_kv_pages`
 when the config pins it. With the KV host tier on a GPU (`offload.kv: host_packed`), the part of each
 page that lives in host RAM is budgeted there (`memory.host_memory_gb`) instead, and the pages are
-the fewer of what either memory affords. The figures are measured by the worker (worker/memory_plan.py) after the
+the fewer of what either memory affords. The figures are measured by the worker (engine/memory_plan.py) after the
 weights are loaded and one largest step has run.
 """
 

@@ -8,7 +8,7 @@ context variable for the request's task, so every line logged while handling it,
 included, carries `request_id`. Secrets: the API keys are never logged by the code, and as a second
 line of defence the formatter replaces each known key, and any `Bearer <token>`, with `***` in the
 final text (message, arguments and traceback alike). Standard library only: the engine process uses it
-too (worker/engine_process.py).
+too (engine/process.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 After the weights are loaded, one profiling step runs at the largest batch the config allows (a
 prefill chunk of `max_num_batched_tokens`, decode tokens for the other sequences, every logits row
-kept, sampling with 20 logprobs); its peak is the workspace. scheduler/admission.py turns the figures
+kept, sampling with 20 logprobs); its peak is the workspace. engine/admission.py turns the figures
 into a page count. The budget is `gpu_memory_utilization` of the device on a GPU and `host_memory_gb`
 on the CPU (where the cache lives in host memory).
 """
@@ -13,7 +13,7 @@ import resource
 
 import torch
 
-from scheduler import SamplingParams, ScheduledChunk, StepPlan
+from contract import SamplingParams, ScheduledChunk, StepPlan
 
 GiB = 2**30
 

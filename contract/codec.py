@@ -1,0 +1,122 @@
+"""The wire format between the front end and the engine process: one orjson frame per message.
+
+A frame is `[kind, body]` (contract/messages.py lists the messages). orjson writes dataclasses as
+objects and tuples as arrays; the decoders below rebuild them. orjson also writes non-finite floats as
+null: the only one a logprob holds is -inf, so a null logprob reads back as -inf.
+
+Step plans travel the same way from tensor-parallel rank 0 to the other ranks (`encode_plan` /
+`decode_plan`): one orjson object per step, no pickling on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from contract.limits import EngineLimits
+from contract.messages import (
+    Abort,
+    EngineFailed,
+    EngineReady,
+    FromEngine,
+    ModelFacts,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+)
+from contract.requests import NewRequest, RequestOutput
+from contract.sampling import SamplingParams, TokenLogprob
+from contract.stats import EngineStats, EngramStats
+from contract.step import ScheduledChunk, StateCopy, StepPlan
+
+
+def encode(message: ToEngine | FromEngine) -> bytes:
+    return orjson.dumps([_KINDS[type(message)], message])
+
+
+def decode(frame: bytes) -> ToEngine | FromEngine:
+    kind, body = orjson.loads(frame)
+    return _DECODERS[kind](body)
+
+
+def _tuples(value: Any) -> Any:
+    """Arrays back to tuples, nested ones too: every sequence field of a frozen message is a tuple."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def _fields(body: dict[str, Any]) -> dict[str, Any]:
+    return {name: _tuples(value) for name, value in body.items()}
+
+
+def _logprob(value: float | None) -> float:
+    return -math.inf if value is None else value
+
+
+def _token_logprob(body: dict[str, Any]) -> TokenLogprob:
+    top = tuple((token, _logprob(logprob)) for token, logprob in body["top"])
+    return TokenLogprob(token_id=body["token_id"], logprob=_logprob(body["logprob"]), top=top)
+
+
+def _request(body: dict[str, Any]) -> NewRequest:
+    return NewRequest(**{**_fields(body), "params": SamplingParams(**_fields(body["params"]))})
+
+
+def _output(body: dict[str, Any]) -> RequestOutput:
+    prompt = body["prompt_logprobs"]
+    return RequestOutput(**{
+        **body,
+        "new_token_ids": tuple(body["new_token_ids"]),
+        "new_logprobs": tuple(_token_logprob(entry) for entry in body["new_logprobs"]),
+        "prompt_logprobs": None if prompt is None else tuple(e if e is None else _token_logprob(e) for e in prompt),
+    })
+
+
+def _ready(body: dict[str, Any]) -> EngineReady:
+    return EngineReady(limits=EngineLimits(**_fields(body["limits"])), device=body["device"], dtype=body["dtype"],
+                       model=ModelFacts(**_fields(body["model"])))
+
+
+def _stats(body: dict[str, Any]) -> EngineStats:
+    engram = body["engram"]
+    return EngineStats(**{**body, "engram": None if engram is None else EngramStats(**_fields(engram))})
+
+
+_KINDS: dict[type, str] = {
+    NewRequest: "add",
+    Abort: "abort",
+    Shutdown: "shutdown",
+    EngineReady: "ready",
+    StepOutputs: "outputs",
+    EngineStats: "stats",
+    EngineFailed: "failed",
+}
+_DECODERS: dict[str, Callable[[Any], ToEngine | FromEngine]] = {
+    "add": _request,
+    "abort": lambda body: Abort(**body),
+    "shutdown": lambda body: Shutdown(),
+    "ready": _ready,
+    "outputs": lambda body: StepOutputs(tuple(_output(output) for output in body["outputs"])),
+    "stats": _stats,
+    "failed": lambda body: EngineFailed(**body),
+}
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    return orjson.dumps(plan)
+
+
+def decode_plan(frame: bytes) -> StepPlan:
+    body = orjson.loads(frame)
+    chunks = tuple(
+        ScheduledChunk(**{**_fields(chunk), "params": SamplingParams(**_fields(chunk["params"]))})
+        for chunk in body["chunks"]
+    )
+    return StepPlan(
+        chunks=chunks,
+        saves=tuple(StateCopy(**copy) for copy in body["saves"]),
+        restores=tuple(StateCopy(**copy) for copy in body["restores"]),
+        page_copies=_tuples(body["page_copies"]),
+    )

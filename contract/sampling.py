@@ -1,0 +1,80 @@
+"""How a request draws its tokens, and what a drawn token reports: crosses the HTTP -> engine -> worker
+boundaries unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+class InvalidSamplingParams(ValueError):
+    """Sampling parameters the engine will not run; the message is meant for the client (HTTP 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request draws its tokens (vLLM / OpenAI semantics).
+
+    Penalties, logit_bias and the min_tokens ban change what is drawn (greedy's argmax too); reported
+    logprobs stay the model's own log-softmax.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top-N logprobs per generated token (0: the chosen token's only)
+    prompt_logprobs: int | None = None  # same for every prompt token (echo)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of each token already generated
+    repetition_penalty: float = 1.0  # tokens of prompt + output: positive logits divided, negative multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # eos and stop_token_ids cannot be drawn before this many tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalizes_prompt(self) -> bool:
+        """The sampler needs the prompt's token ids (repetition penalty)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def penalizes_output(self) -> bool:
+        """The sampler needs the output's token ids (any penalty)."""
+        return self.penalizes_prompt or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises InvalidSamplingParams for what a schema cannot check: ids against the vocabulary, and
+        min_tokens against max_tokens."""
+        for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidSamplingParams(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(
+                f"min_tokens ({self.min_tokens}) must be between 0 and max_tokens ({self.max_tokens})", "min_tokens"
+            )
+
+    def for_draw(self, num_generated: int, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+        """The params the sampler sees for the next draw. The sampler bans stop_token_ids until min_tokens
+        is reached; the eos ids (which also end the request unless ignored) join them only then, so the
+        sampler needs no model config and requests past min_tokens are passed as they are."""
+        if num_generated >= self.min_tokens or self.ignore_eos or not eos_token_ids:
+            return self
+        return replace(self, stop_token_ids=self.stop_token_ids + eos_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first

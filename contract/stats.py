@@ -1,0 +1,42 @@
+"""Figures the engine reports to the front end (metrics, /health): snapshots, never live objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Upper edges (seconds) of the Engram prefetch-wait histogram that the engine reports.
+PREFETCH_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class EngramStats:
+    """The Engram row store's counters since start: rows served per tier, disk reads, and how long
+    Engram layers waited for their rows (`wait_buckets`: cumulative counts per PREFETCH_WAIT_BUCKETS edge)."""
+
+    rows_resident: int = 0
+    rows_device_cache: int = 0
+    rows_host_cache: int = 0
+    rows_disk: int = 0
+    bytes_read: int = 0
+    read_errors: int = 0
+    wait_count: int = 0
+    wait_sum_s: float = 0.0
+    wait_buckets: tuple[int, ...] = (0,) * len(PREFETCH_WAIT_BUCKETS)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load and cache figures for metrics; read off the loop's thread, so a snapshot, not a barrier."""
+
+    running: int
+    waiting: int
+    preemptions: int = 0  # since start
+    pages_total: int = 0
+    pages_held: int = 0
+    pages_cached: int = 0  # reusable by the prefix cache, evictable
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which found there
+    steps: int = 0
+    last_step_tokens: int = 0
+    engram: EngramStats | None = None  # None: the model has no tiered Engram store
+    unhealthy: str | None = None  # why the executor cannot run steps now (a tensor-parallel restart)
