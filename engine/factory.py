@@ -26,7 +26,7 @@ from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity
 from scheduler import Scheduler
 from worker.runner import ModelRunner
-from worker.tensor_parallel import WorkerPool
+from worker.tensor_parallel import WorkerPool, external_rank_main
 
 if TYPE_CHECKING:
     from contract.config import ServeConfig
@@ -116,6 +116,11 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype, pool.world)
     return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype, memory=pool.memory_plan,
                               model=model_facts(model_config))
+
+
+def serve_external_rank(config: "ServeConfig") -> int:
+    """`python -m server` as rank >= 1 under torchrun: this rank's runner, fed by rank 0's plans."""
+    return external_rank_main(config, partial(build_runner, config), resolve_device(config))
 
 
 def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None:

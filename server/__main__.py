@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:
+    if argv[:1] == ["plan"]:  # not the HTTP front end: the engine's arithmetic, in this CLI process
         from engine.plan import main as plan
 
         return plan(argv[1:])
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(args.log_level, config.server.log_format, secrets)
     if launched_externally() and int(os.environ["RANK"]) > 0:  # torchrun's other ranks serve no HTTP
-        from worker.tensor_parallel import external_rank_main
+        from engine.factory import serve_external_rank  # this process is a model rank, not a front end
 
-        return external_rank_main(config)
+        return serve_external_rank(config)
     import uvicorn
 
     from server.draining import DrainingServer
