@@ -32,7 +32,12 @@ class EngineLimits:
 
 
 class RequestRejected(ValueError):
-    """A request the engine will not run; the message is meant for the client (HTTP 400)."""
+    """A request the engine will not run; the message is meant for the client (HTTP 400), `param`
+    names the request field at fault where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def validate_request(limits: EngineLimits, request: NewRequest) -> None:
@@ -51,7 +56,7 @@ def validate_request(limits: EngineLimits, request: NewRequest) -> None:
     try:
         request.params.validate(limits.vocab_size)
     except InvalidSamplingParams as exc:
-        raise RequestRejected(str(exc)) from exc
+        raise RequestRejected(str(exc), exc.param) from exc
     capacity = limits.total_pages * limits.block_tokens
     if len(prompt) + request.params.max_tokens > capacity:
         raise RequestRejected(

@@ -69,8 +69,8 @@ class Scheduler:
         validate_request(self.limits, request)
 
     def add(self, request: NewRequest) -> None:
-        """Queues a validated request (raises RequestRejected); its mutable state lives here from now on."""
-        self.validate(request)
+        """Queues a request that `validate` accepted (the engine loop checks each once, as it arrives);
+        its mutable state lives here from now on."""
         self.waiting.append(Request(request))
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -214,7 +214,7 @@ class Scheduler:
             if chunk_result.error is not None:  # only this request fails; the step's others go on
                 outputs.append(self._finish(request, RequestStatus.FAILED, "error", chunk_result.error))
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids) + len(chunk_result.accepted)  # drafts were computed too
             if chunk.sample:
                 request.logits_position = request.num_computed_tokens
             if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
@@ -223,21 +223,29 @@ class Scheduler:
             if chunk.params.prompt_logprobs is not None and in_prompt:  # not again when recomputed after preemption
                 collected = self.pending_prompt_logprobs.setdefault(request.request_id, [None])
                 collected.extend(chunk_result.prompt_logprobs)
-            if chunk_result.sampled is not None:
-                outputs.append(self._append_token(request, chunk_result.sampled))
+            if chunk_result.new_tokens:
+                outputs.append(self._append_tokens(request, chunk_result.new_tokens))
         return outputs
 
-    def _append_token(self, request: Request, sampled: TokenLogprob) -> RequestOutput:
-        request.output_token_ids.append(sampled.token_id)
+    def _append_tokens(self, request: Request, tokens: tuple[TokenLogprob, ...]) -> RequestOutput:
+        """Appends a step's new tokens in order (several after a speculative step), checking stop and
+        length after each: the tokens after the one that ends the request are dropped."""
+        kept: list[TokenLogprob] = []
+        reason = None
+        for sampled in tokens:
+            request.output_token_ids.append(sampled.token_id)
+            kept.append(sampled)
+            reason = self._stop_reason(request, sampled.token_id)
+            if reason is not None:
+                break
         prompt_logprobs = self.pending_prompt_logprobs.pop(request.request_id, None)
-        reason = self._stop_reason(request, sampled.token_id)
-        logprobs = (sampled,) if request.params.logprobs is not None else ()
         if reason is not None:
-            self._release(request, RequestStatus.FINISHED, reason)
+            # dropped drafts were computed: the slot's state is past the kept tokens, so no end point
+            self._release(request, RequestStatus.FINISHED, reason, take_point=len(kept) == len(tokens))
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=(sampled.token_id,),
-            new_logprobs=logprobs,
+            new_token_ids=tuple(sampled.token_id for sampled in kept),
+            new_logprobs=tuple(kept) if request.params.logprobs is not None else (),
             prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None,
             finished=reason is not None,
             finish_reason=reason,
@@ -289,9 +297,9 @@ class Scheduler:
         if point is not None:
             self._saves.append(StateCopy(request.slot, point.snapshot))
 
-    def _release(self, request: Request, status: RequestStatus, reason: str) -> None:
+    def _release(self, request: Request, status: RequestStatus, reason: str, take_point: bool = True) -> None:
         request.status, request.finish_reason = status, reason
-        if status is RequestStatus.FINISHED and request in self.running:
+        if take_point and status is RequestStatus.FINISHED and request in self.running:
             self._take_point(request)  # a follow-up turn continues from here
         if request in self.running:
             self.running.remove(request)

@@ -164,14 +164,13 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         response_id, requests = build_requests(body, tokenizer, model.max_model_len, request.state.request_id)
-        for engine_request in requests:  # refuse before anything runs (and before a stream's 200)
-            engine.validate(engine_request)
+        call = engine.call(requests)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(requests))
         if body.stream:
-            frames = stream_completion(body, response_id, requests, engine, tokenizer, model.name, lifecycle.expired)
+            frames = stream_completion(body, response_id, call, tokenizer, model.name, lifecycle.expired)
             return HeldStream(frames, admission)
         with admission:
-            work = create_completion(body, response_id, requests, engine, tokenizer, model.name)
+            work = create_completion(body, response_id, call, tokenizer, model.name)
             response = await _unless_cut_off(work, request, lifecycle.expired)
         return JSONResponse(response.model_dump(exclude_none=True))
 
@@ -181,13 +180,13 @@ def create_app(
         if chat is None:
             raise ClientError("chat is unavailable on this server (no chat format for this model)", "messages")
         call = build_chat_call(body, chat, tokenizer, model.max_model_len, request.state.request_id)
-        for engine_request in call.requests:  # refuse before anything runs (and before a stream's 200)
-            engine.validate(engine_request)
+        engine_call = engine.call(call.requests)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(call.requests))
         if body.stream:
-            return HeldStream(stream_chat_completion(call, chat, engine, tokenizer, model.name, lifecycle.expired), admission)
+            frames = stream_chat_completion(call, engine_call, chat, tokenizer, model.name, lifecycle.expired)
+            return HeldStream(frames, admission)
         with admission:
-            work = create_chat_completion(call, chat, engine, tokenizer, model.name)
+            work = create_chat_completion(call, engine_call, chat, tokenizer, model.name)
             response = await _unless_cut_off(work, request, lifecycle.expired)
         return JSONResponse(response.model_dump(exclude_none=True))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from contract import NewRequest, TokenLogprob
 from server.chat import ChatFormat, Delta, OutputParser, ParsedMessage
+from server.chat.request import ChatRequest
 from server.chat.tokens import THINK_START
 from server.chat_protocol import (
     ChatChoice,
@@ -29,8 +30,8 @@ from server.chat_protocol import (
     TokenLogprobEntry,
     TopLogprob,
 )
-from server.completions import Generation, collect, sampling_params, stop_strings
-from server.engine_client import EngineClient
+from server.completions import Generation, collect, for_choice, sampling_params, stop_strings
+from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
 from server.protocol import Usage
 from server.request_errors import ClientError, RequestFailed
@@ -55,6 +56,7 @@ class ChatCall:
     response_id: str
     body: ChatCompletionRequest
     raw: dict[str, Any]  # the body as server/chat reads it
+    chat: ChatRequest  # the body read once: rendering and every choice's output parser use it
     prompt: str  # the rendered prompt text, BOS included
     requests: list[NewRequest]
 
@@ -70,17 +72,14 @@ def build_chat_call(
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise ClientError("response_format: only {'type': 'text'} is supported", "response_format")
     raw = body.model_dump(exclude_none=True)
-    prompt = fmt.render(raw)
+    chat = ChatRequest.from_body(raw)
+    prompt = fmt.render_request(chat, raw)
     ids = tokenizer.encode(prompt, add_special_tokens=False)  # the rendered prompt holds its BOS
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
-    requests = [
-        NewRequest(
-            f"{response_id}-{tag}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
-            cache_salt=body.cache_salt, cache_boundary=history_end(ids, tokenizer),
-        )
-        for i in range(body.n)
-    ]
-    return ChatCall(response_id, body, raw, prompt, requests)
+    params, boundary, prompt_ids = sampling_params(body, len(ids), max_model_len), history_end(ids, tokenizer), tuple(ids)
+    requests = [NewRequest(f"{response_id}-{tag}-{i}", prompt_ids, for_choice(params, i), cache_salt=body.cache_salt,
+                           cache_boundary=boundary) for i in range(body.n)]
+    return ChatCall(response_id, body, raw, chat, prompt, requests)
 
 
 def history_end(ids: list[int], tokenizer: TextTokenizer) -> int | None:
@@ -111,12 +110,10 @@ def message_of(parsed: ParsedMessage) -> dict[str, Any]:
 
 
 async def create_chat_completion(
-    call: ChatCall, fmt: ChatFormat, engine: EngineClient, tokenizer: TextTokenizer, model_name: str
+    call: ChatCall, engine_call: EngineCall, fmt: ChatFormat, tokenizer: TextTokenizer, model_name: str
 ) -> ChatCompletionResponse:
     decoder, stop = SpecialTokenText(tokenizer), stop_strings(call.body)
-    generations = await asyncio.gather(
-        *(collect(engine, r, IncrementalText(decoder, stop) if stop else None) for r in call.requests)
-    )
+    generations = await collect(engine_call, [IncrementalText(decoder, stop) if stop else None for _ in call.requests])
     failed = next((g.error for g in generations if g.error), None)
     if failed:
         raise RequestFailed(failed)
@@ -134,7 +131,7 @@ async def create_chat_completion(
 def _choice(call: ChatCall, fmt: ChatFormat, tokenizer: TextTokenizer, index: int, generation: Generation) -> ChatChoice:
     assert generation.finish_reason is not None, "collect() returns finished generations"
     text = generation.text if generation.text is not None else SpecialTokenText(tokenizer).decode(generation.token_ids)
-    parsed = fmt.parse(call.raw, call.prompt, text)
+    parsed = fmt.parse_for(call.chat, call.prompt, text)
     return ChatChoice(
         index=index,
         message=message_of(parsed),
@@ -182,7 +179,7 @@ def _chunk_choice(
 
 
 async def stream_chat_completion(
-    call: ChatCall, fmt: ChatFormat, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
+    call: ChatCall, engine_call: EngineCall, fmt: ChatFormat, tokenizer: TextTokenizer, model_name: str,
     interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes]:
     """A role chunk per choice, then each choice's deltas as its tokens arrive (finish_reason on its
@@ -192,7 +189,7 @@ async def stream_chat_completion(
     continuous = options is not None and options.continuous_usage_stats
     stop = stop_strings(body)
     texts = [IncrementalText(SpecialTokenText(tokenizer), stop) for _ in call.requests]
-    parsers = [fmt.parser(call.raw, call.prompt) for _ in call.requests]
+    parsers = [fmt.parser_for(call.chat, call.prompt) for _ in call.requests]
     usage = StreamUsage(prompt_tokens=len(call.prompt_token_ids))
 
     def frame(choices: list[ChatChunkChoice], with_usage: bool, prompt_ids: list[int] | None = None) -> bytes:
@@ -205,7 +202,7 @@ async def stream_chat_completion(
             role = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
             first = index == 0 and body.return_token_ids
             yield frame([role], continuous, call.prompt_token_ids if first else None)
-        async with aclosing(choice_steps(engine, call.requests, texts, usage, body.n, interrupt)) as steps:
+        async with aclosing(choice_steps(engine_call, texts, usage, body.n, interrupt)) as steps:
             async for step in steps:
                 choice = _chunk_choice(step, parsers[step.index], body, tokenizer)
                 if choice is not None:

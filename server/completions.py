@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from contract import InvalidSamplingParams, NewRequest, RequestOutput, SamplingParams, TokenLogprob
-from server.engine_client import EngineClient
+from contract import NewRequest, RequestOutput, SamplingParams, TokenLogprob
+from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
 from server.protocol import (
     CompletionChoice,
@@ -74,19 +74,19 @@ def _logit_bias(body: SamplingFields) -> tuple[tuple[int, float], ...]:
         raise ClientError("logit_bias: keys must be token ids", "logit_bias") from None
 
 
-def sampling_params(
-    body: SamplingFields, prompt_len: int, max_model_len: int, vocab_size: int, index: int
-) -> SamplingParams:
-    """Raises ClientError for parameters the engine would not run (ids outside the vocabulary...)."""
+def sampling_params(body: SamplingFields, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The body's sampling params for a prompt of `prompt_len` tokens, built once per prompt and
+    shared by its choices (`for_choice`); what a schema cannot check (ids against the vocabulary,
+    min_tokens) is checked once with the rest of the request, when the engine call is made."""
     limit = body.output_limit
     max_tokens = limit if limit is not None else max(1, max_model_len - prompt_len)
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(body.top_k, 0),
         min_p=body.min_p,
-        seed=None if body.seed is None else body.seed + index,
+        seed=body.seed,
         ignore_eos=body.ignore_eos,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=body.sample_logprobs,
@@ -97,27 +97,30 @@ def sampling_params(
         logit_bias=_logit_bias(body),
         min_tokens=body.min_tokens,
     )
+
+
+def for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of n: a seeded request's choices draw from seeds seed, seed + 1, ... (vLLM's n)."""
+    return params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
+
+
+async def collect(call: EngineCall, texts: Sequence[IncrementalText | None]) -> list[Generation]:
+    """Every request's outputs of `call`, from its one queue; a request with a text (stop strings)
+    ends at its first stop string, and its engine request is aborted there, so it stops using the
+    engine."""
+    generations = [Generation() for _ in call.requests]
     try:
-        params.validate(vocab_size)
-    except InvalidSamplingParams as exc:
-        raise ClientError(str(exc), exc.param) from None
-    return params
-
-
-async def collect(engine: EngineClient, request: NewRequest, text: IncrementalText | None = None) -> Generation:
-    """The request's outputs; given `text` (stop strings), ends at the first stop string and aborts the
-    engine request there, so it stops using the engine."""
-    generation = Generation()
-    async with aclosing(engine.generate(request)) as outputs:
-        async for output in outputs:
+        async for index, output in call:
+            generation, text = generations[index], texts[index]
             _absorb(generation, output)
             if text is not None:
                 text.push(output.new_token_ids, output.finished)
                 if text.stopped:
                     generation.text, generation.finish_reason = text.sent, "stop"
-                    engine.stopped_early(request.request_id)
-                    break  # closing generate() before its last output aborts the request
-    return generation
+                    call.stop(index)
+    finally:
+        call.close()
+    return generations
 
 
 def _absorb(generation: Generation, output: RequestOutput) -> None:
@@ -154,26 +157,21 @@ def build_requests(
     """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt."""
     prompts = prompt_token_lists(body, tokenizer)
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
-    requests = [
-        NewRequest(
-            f"{response_id}-{tag}-{p}-{i}", ids, sampling_params(body, len(ids), max_model_len, tokenizer.vocab_size, i),
-            cache_salt=body.cache_salt,
-        )
-        for p, ids in enumerate(prompts)
-        for i in range(body.n)
-    ]
+    requests = []
+    for p, ids in enumerate(prompts):
+        params = sampling_params(body, len(ids), max_model_len)
+        requests += [NewRequest(f"{response_id}-{tag}-{p}-{i}", tuple(ids), for_choice(params, i), cache_salt=body.cache_salt)
+                     for i in range(body.n)]
     return response_id, requests
 
 
 async def create_completion(
-    body: CompletionRequest, response_id: str, requests: list[NewRequest], engine: EngineClient,
-    tokenizer: TextTokenizer, model_name: str,
+    body: CompletionRequest, response_id: str, call: EngineCall, tokenizer: TextTokenizer, model_name: str,
 ) -> CompletionResponse:
+    requests = call.requests
     prompts = [r.prompt_token_ids for r in requests[:: body.n]]
     stop = stop_strings(body)
-    generations = await asyncio.gather(
-        *(collect(engine, r, IncrementalText(tokenizer, stop) if stop else None) for r in requests)
-    )
+    generations = await collect(call, [IncrementalText(tokenizer, stop) if stop else None for _ in requests])
     failed = next((g.error for g in generations if g.error), None)
     if failed:
         raise RequestFailed(failed)
@@ -217,18 +215,19 @@ def _choice(
     )
 
 async def stream_completion(
-    body: CompletionRequest, response_id: str, requests: list[NewRequest], engine: EngineClient,
-    tokenizer: TextTokenizer, model_name: str, interrupt: asyncio.Event | None = None,
+    body: CompletionRequest, response_id: str, call: EngineCall, tokenizer: TextTokenizer, model_name: str,
+    interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE frames for every choice as its tokens arrive, a usage frame if asked, then [DONE]. A choice
     that reaches a stop string ends there (finish_reason "stop"). An engine failure mid-stream, or
     `interrupt` being set (the server's drain timed out), becomes an error frame before [DONE]."""
     options = body.stream_options
     stop = stop_strings(body)
+    requests = call.requests
     texts = [IncrementalText(tokenizer, stop) for _ in requests]
     usage = StreamUsage(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests[:: body.n]))
     try:
-        async with aclosing(choice_steps(engine, requests, texts, usage, body.n, interrupt)) as steps:
+        async with aclosing(choice_steps(call, texts, usage, body.n, interrupt)) as steps:
             async for step in steps:
                 choice = CompletionChoice(
                     index=step.index,

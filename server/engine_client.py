@@ -1,9 +1,12 @@
-"""The front end's handle on the engine: submit / abort, and an async stream of outputs per request.
+"""The front end's handle on the engine: one `EngineCall` per HTTP call, with one queue for the outputs of
+all its engine requests (a request per choice and prompt).
 
 The engine runs in its own process (server/engine_process.py relays to it). Its outputs, stats and
-death are reported from a receiver thread and handed to the asyncio loop with call_soon_threadsafe,
-so nothing here blocks the loop. When the engine dies, every in-flight request ends with an error
-output and new ones are refused.
+death are reported from a receiver thread and handed to the asyncio loop with call_soon_threadsafe
+(one hand-over per engine step), so nothing here blocks the loop. A call validates its requests once,
+when it is made (before an HTTP stream's 200); the engine process checks what arrives once more, since
+frames cross a process boundary. When the engine dies, every open call ends with an error output and
+new ones are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineHandle(Protocol):
     def submit(self, request: NewRequest) -> None:
-        """Raises RequestRejected before anything is queued."""
+        """Sends a request that `validate` accepted."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -30,7 +33,7 @@ class EngineHandle(Protocol):
 
 
 class RequestObserver:
-    """Watches one request through generate() (metrics hang off this); the base class does nothing."""
+    """Watches one engine request through its call (metrics hang off this); the base class does nothing."""
 
     def output(self, output: RequestOutput) -> None:
         """Each output, as it is handed to the caller."""
@@ -40,15 +43,87 @@ class RequestObserver:
         `reason` overrides the finish reason (a stop string the front end found)."""
 
 
+class EngineCall:
+    """One HTTP call's engine requests, validated when the call is made, submitted by `start`, their
+    outputs read from one queue as (request index, output) until every request finished. Leaving
+    early (`close`, or the async iteration abandoned) aborts the requests still running."""
+
+    def __init__(self, client: EngineClient, engine: EngineHandle, requests: Sequence[NewRequest]) -> None:
+        self._client, self._engine, self.requests = client, engine, tuple(requests)
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        self._open: set[int] = set()
+        self._stopped: set[int] = set()  # ended by the front end at a stop string
+        self._observers: list[RequestObserver] = []
+        self._started = False
+
+    def start(self) -> None:
+        """Submits every request (once; iterating starts the call too). Raises EngineDeadError."""
+        if self._started:
+            return
+        self._started = True
+        self._client.check_alive()
+        for index, request in enumerate(self.requests):
+            self._client.register(request.request_id, self, index)
+            self._observers.append(self._client.observe(request))
+            self._open.add(index)
+            self._engine.submit(request)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        self.start()
+        try:
+            while self._open:
+                index, output = await self.queue.get()
+                if isinstance(output, Exception):  # `interrupt`: the caller is cut off
+                    raise output
+                if index not in self._open:  # what a request ended at a stop string still had in flight
+                    continue
+                if output.finished:
+                    self._end(index, finished=True)
+                self._observers[index].output(output)
+                yield index, output
+        finally:
+            self.close()
+
+    def stop(self, index: int) -> None:
+        """The front end ends request `index` at a stop string: it is aborted in the engine, and the
+        metrics count it as a finish with reason "stop", not as an abort."""
+        if index in self._open:
+            self._stopped.add(index)
+            self._end(index, finished=False)
+
+    def close(self) -> None:
+        """Aborts what still runs (the caller left); safe to call twice."""
+        for index in sorted(self._open):
+            self._end(index, finished=False)
+
+    def deliver(self, index: int, output: RequestOutput) -> None:
+        self.queue.put_nowait((index, output))
+
+    def interrupt(self, exc: Exception) -> None:
+        """The iteration raises `exc` at its next output (the server's drain timed out)."""
+        self.queue.put_nowait((-1, exc))
+
+    def _end(self, index: int, finished: bool) -> None:
+        self._open.discard(index)
+        request_id = self.requests[index].request_id
+        self._client.unregister(request_id)
+        if not finished:
+            self._engine.abort(request_id)
+        stopped = index in self._stopped
+        self._observers[index].ended(finished or stopped, "stop" if stopped else None)
+
+
 class EngineClient:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._calls: dict[str, tuple[EngineCall, int]] = {}  # request id -> its call and index there
         self._engine: EngineHandle | None = None
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
         self.observe: Callable[[NewRequest], RequestObserver] = lambda _: RequestObserver()
-        self._stopped_early: set[str] = set()  # requests the front end ended at a stop string
 
     def connect(self, engine: EngineHandle) -> None:
         self._engine = engine
@@ -57,10 +132,28 @@ class EngineClient:
     def ready(self) -> bool:
         return self._engine is not None and self.dead_reason is None
 
-    def validate(self, request: NewRequest) -> None:
-        """Raises RequestRejected for a request the engine would refuse."""
+    def call(self, requests: Sequence[NewRequest]) -> EngineCall:
+        """Validates every request (raises RequestRejected: nothing is sent then) and returns the
+        call, not yet started."""
         assert self._engine is not None, "engine not connected"
-        self._engine.validate(request)
+        for request in requests:
+            self._engine.validate(request)
+        return EngineCall(self, self._engine, requests)
+
+    async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:
+        """One request's outputs until the finished one (a call of one)."""
+        async for _, output in self.call([request]):
+            yield output
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def register(self, request_id: str, call: EngineCall, index: int) -> None:
+        self._calls[request_id] = (call, index)
+
+    def unregister(self, request_id: str) -> None:
+        self._calls.pop(request_id, None)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -82,38 +175,10 @@ class EngineClient:
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            entry = self._calls.get(output.request_id)
+            if entry is not None:
+                entry[0].deliver(entry[1], output)
 
     def _fail_all(self, reason: str) -> None:
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(RequestOutput(request_id, finished=True, finish_reason="error", error=reason))
-
-    async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until the finished one; aborts the request if the caller leaves."""
-        assert self._engine is not None, "engine not connected"
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._engine.submit(request)  # raises RequestRejected before anything is queued or observed
-        self._queues[request.request_id] = queue
-        observer, finished = self.observe(request), False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                observer.output(output)
-                yield output
-        finally:
-            self._queues.pop(request.request_id, None)
-            if not finished:
-                self._engine.abort(request.request_id)
-            early = request.request_id in self._stopped_early
-            self._stopped_early.discard(request.request_id)
-            observer.ended(finished or early, "stop" if early else None)
-
-    def stopped_early(self, request_id: str) -> None:
-        """The front end ends this request at a stop string (then aborts it in the engine): the
-        metrics count it as a finish with reason "stop", not as an abort."""
-        self._stopped_early.add(request_id)
+        for request_id, (call, index) in list(self._calls.items()):
+            call.deliver(index, RequestOutput(request_id, finished=True, finish_reason="error", error=reason))

@@ -79,8 +79,7 @@ class EngineProcess:
         self._receiver.start()
 
     def submit(self, request: NewRequest) -> None:
-        """Validates here (RequestRejected before anything is sent); the engine validates again."""
-        validate_request(self.ready.limits, request)
+        """Sends a request `validate` accepted (the engine process checks what arrives once more)."""
         self._send(request)
 
     def abort(self, request_id: str) -> None:

@@ -75,15 +75,16 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    def handle(exc_type: type[Exception], status: int, kind: str = "invalid_request_error") -> None:
+    def handle(exc_type: type[Exception], status: int, kind: str = "invalid_request_error", named: bool = False) -> None:
+        """`named`: the exception type carries the request field at fault (`param`)."""
         async def handler(_: Request, exc: Exception) -> JSONResponse:
-            return error_response(status, str(exc), kind, getattr(exc, "param", None))
+            return error_response(status, str(exc), kind, exc.param if named else None)  # type: ignore[attr-defined]
 
         app.add_exception_handler(exc_type, handler)
 
-    handle(ClientError, 400)
-    handle(ChatRequestError, 400)
-    handle(RequestRejected, 400)
+    handle(ClientError, 400, named=True)
+    handle(ChatRequestError, 400, named=True)
+    handle(RequestRejected, 400, named=True)
     handle(UnknownModel, 404, "not_found_error")
     handle(ClientGone, 499)
     handle(RequestFailed, 500, "internal_server_error")

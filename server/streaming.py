@@ -1,6 +1,6 @@
 """What every streamed endpoint shares: SSE framing, usage so far, and the merged per-choice steps.
 
-`choice_steps` runs one engine request per choice and yields their outputs as they arrive, each with
+`choice_steps` reads one engine call (a request per choice) and yields their outputs as they arrive, each with
 its new text (cut at a stop string, held back inside a UTF-8 character); the endpoint only turns
 steps into its own chunk shape.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from contract import NewRequest, RequestOutput
-from server.engine_client import EngineClient
+from contract import RequestOutput
+from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
 from server.protocol import Usage, error_body
 from server.request_errors import RequestFailed, ServerShuttingDown
@@ -63,49 +63,32 @@ class ChoiceStep:
 
 
 async def choice_steps(
-    engine: EngineClient, requests: list[NewRequest], texts: list[IncrementalText], usage: StreamUsage,
-    choices_per_prompt: int, interrupt: asyncio.Event | None = None,
+    call: EngineCall, texts: list[IncrementalText], usage: StreamUsage, choices_per_prompt: int,
+    interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[ChoiceStep]:
-    """Steps of every choice until all have finished. A choice that reaches a stop string ends there
-    and its engine request is aborted. Raises RequestFailed (the engine failed a request), the
-    engine client's exception, or ServerShuttingDown once `interrupt` is set (the drain timed out);
-    the engine requests still open are then aborted."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-
-    async def pump(index: int, request: NewRequest) -> None:
-        try:
-            async for output in engine.generate(request):
-                await queue.put((index, output))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the stream's consumer
-            await queue.put((index, exc))
+    """Steps of every choice of `call` until all have finished, read from the call's one queue. A
+    choice that reaches a stop string ends there and its engine request is aborted. Raises
+    RequestFailed (the engine failed a request), the engine client's exception, or ServerShuttingDown
+    once `interrupt` is set (the drain timed out); the engine requests still open are then aborted."""
 
     async def watch(event: asyncio.Event) -> None:
         await event.wait()
-        await queue.put((-1, ServerShuttingDown("the server is shutting down; the request was cut off")))
+        call.interrupt(ServerShuttingDown("the server is shutting down; the request was cut off"))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    if interrupt is not None:
-        tasks.append(asyncio.create_task(watch(interrupt)))
-    open_choices, started = set(range(len(requests))), set()
+    watcher = asyncio.create_task(watch(interrupt)) if interrupt is not None else None
+    started: set[int] = set()
     try:
-        while open_choices:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if index not in open_choices:  # what a choice cut at a stop string still had in flight
-                continue
+        async for index, item in call:
             usage.add(index // choices_per_prompt, item)
             if item.error:
                 raise RequestFailed(item.error)
             text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
             if stopped:
-                engine.stopped_early(requests[index].request_id)
-                tasks[index].cancel()  # leaving generate() before its last output aborts the request
-            if stopped or item.finished:
-                open_choices.discard(index)
+                call.stop(index)
             finish_reason = "stop" if stopped else item.finish_reason if item.finished else None
             yield ChoiceStep(index, item, text, finish_reason, index not in started)
             started.add(index)
     finally:
-        for task in tasks:
-            task.cancel()
+        call.close()
+        if watcher is not None:
+            watcher.cancel()

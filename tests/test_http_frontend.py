@@ -198,7 +198,7 @@ def stream_frames(last: RequestOutput | None, interrupt: asyncio.Event | None) -
         client.connect(engine)
         client.bind_loop(asyncio.get_running_loop())
         body = CompletionRequest(prompt=[5], max_tokens=10, stream=True)
-        frames = stream_completion(body, "cmpl-r", [NewRequest("r", [5], SamplingParams())], client, CharTokenizer(),
+        frames = stream_completion(body, "cmpl-r", client.call([NewRequest("r", [5], SamplingParams())]), CharTokenizer(),
                                    "tiny", interrupt)
         first = asyncio.ensure_future(anext(frames))
         await asyncio.sleep(0.05)  # the stream has submitted its request

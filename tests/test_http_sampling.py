@@ -100,7 +100,7 @@ def test_collect_ends_at_a_stop_string_and_aborts_the_engine_request():
         client, engine = connected()
         request = NewRequest("r", [5], SamplingParams(max_tokens=10))
         player = asyncio.create_task(play(client, "r", "abcdef"))
-        generation = await collect(client, request, IncrementalText(CharTokenizer(), ("cd",)))
+        (generation,) = await collect(client.call([request]), [IncrementalText(CharTokenizer(), ("cd",))])
         await player
         return generation, engine.aborted
 
@@ -116,7 +116,7 @@ def test_stream_ends_a_choice_at_a_stop_string_and_aborts_its_engine_request_at_
         requests = [NewRequest("r", [5], SamplingParams()), NewRequest("s", [5], SamplingParams())]
         players = [asyncio.create_task(play(client, "r", "abcdef")), asyncio.create_task(play(client, "s", "x" * 20))]
         texts, aborted_while_open = {0: "", 1: ""}, None
-        async for frame in stream_completion(body, "cmpl-r", requests, client, CharTokenizer(), "tiny"):
+        async for frame in stream_completion(body, "cmpl-r", client.call(requests), CharTokenizer(), "tiny"):
             if frame == b"data: [DONE]\n\n":
                 break
             choice = orjson.loads(frame[len(b"data: "):])["choices"][0]

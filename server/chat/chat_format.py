@@ -30,7 +30,10 @@ class ChatFormat:
 
     def render(self, body: Mapping[str, Any]) -> str:
         """The prompt text (BOS included) for a chat-completions body; ChatRequestError on 400s."""
-        request = ChatRequest.from_body(body)
+        return self.render_request(ChatRequest.from_body(body), body)
+
+    def render_request(self, request: ChatRequest, body: Mapping[str, Any]) -> str:
+        """`render` for a body already read into `request` (the serving path reads each body once)."""
         if self.template is not None:
             return self.template.render(body, list(request.tools), request.template_kwargs)
         if self.dialect is None:
@@ -41,7 +44,9 @@ class ChatFormat:
 
     def parser(self, body: Mapping[str, Any], prompt: str) -> OutputParser:
         """A parser for the text generated after `prompt` (which tells whether <think> is open)."""
-        request = ChatRequest.from_body(body)
+        return self.parser_for(ChatRequest.from_body(body), prompt)
+
+    def parser_for(self, request: ChatRequest, prompt: str) -> OutputParser:
         return OutputParser(
             self.dialect,
             reasoning_open=reasoning_open(prompt),
@@ -53,7 +58,10 @@ class ChatFormat:
 
     def parse(self, body: Mapping[str, Any], prompt: str, text: str) -> ParsedMessage:
         """The final message for a whole generation (non-streaming responses)."""
-        parser = self.parser(body, prompt)
+        return self.parse_for(ChatRequest.from_body(body), prompt, text)
+
+    def parse_for(self, request: ChatRequest, prompt: str, text: str) -> ParsedMessage:
+        parser = self.parser_for(request, prompt)
         parser.feed(text)
         parser.finish()
         return parser.message()
