@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from contract import SamplingParams, ScheduledChunk, StepPlan
-from engram_store.store import EngramOptions
+from engram_store.store import DiskLayer, EngramOptions
 from models import ModelConfig, load_model
 from models.engram_setup import engram_hasher
 from models.tiny import build_tokenizer, random_weights, tiny_v41_config_dict
@@ -118,13 +118,10 @@ def chunk(runner: ModelRunner, slot: int, tokens: list[int], position: int) -> S
 
 
 def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
-    store = runner.model.engram_memory.source
-    stats = getattr(store, "stats", None)
-    disk = [layer for layer in getattr(store, "layers", []) if hasattr(layer, "host_cache")]
-    before = (sum(l.host_cache.hits for l in disk), sum(l.host_cache.misses for l in disk),
-              store.reader.reads if getattr(store, "reader", None) else 0)
-    if stats is not None:
-        stats.recent_waits_s.clear()
+    store = runner.model.engram_memory.source  # an EngramStore: every runner here is built with options
+    stats, disk = store.stats, disk_layers(runner)
+    before = (sum(l.host_cache.hits for l in disk), sum(l.host_cache.misses for l in disk), disk_reads(runner))
+    stats.recent_waits_s.clear()
     graph_wait = runner.graphs.engram_wait_s if runner.graphs is not None else 0.0
     result = runner.execute(StepPlan(tuple(chunk(runner, s, p, 0) for s, p in enumerate(prompts))))
     last = [c.sampled.token_id for c in result.chunks]
@@ -137,10 +134,10 @@ def run_once(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     graph_wait = (runner.graphs.engram_wait_s - graph_wait) if runner.graphs is not None else None
-    waits = sorted(stats.recent_waits_s) if stats is not None and stats.recent_waits_s else [0.0]
+    waits = sorted(stats.recent_waits_s) or [0.0]
     hits = sum(l.host_cache.hits for l in disk) - before[0]
     misses = sum(l.host_cache.misses for l in disk) - before[1]
-    reads = (store.reader.reads if getattr(store, "reader", None) else 0) - before[2]
+    reads = disk_reads(runner) - before[2]
     return {
         "tok_s": len(prompts) * steps / elapsed,
         "prefetch_wait_p50_ms": 1000 * waits[len(waits) // 2],
@@ -195,10 +192,21 @@ def fetch_only(runners: dict[str, ModelRunner], args: argparse.Namespace, machin
                               "device": machine, "commit": commit}), flush=True)
 
 
+def disk_layers(runner: ModelRunner) -> list[DiskLayer]:
+    """The runner's disk-resident Engram layers (none in the gpu and host modes)."""
+    disk = runner.model.engram_memory.source.tiers.get("disk")
+    return [] if disk is None else list(disk.layers.values())
+
+
+def disk_reads(runner: ModelRunner) -> int:
+    """Pages read from the table files since start."""
+    disk = runner.model.engram_memory.source.tiers.get("disk")
+    return 0 if disk is None else disk.reader.reads
+
+
 def clear_caches(runner: ModelRunner) -> None:
-    for layer in getattr(runner.model.engram_memory.source, "layers", []):
-        if hasattr(layer, "host_cache"):
-            layer.host_cache.clear()
+    for layer in disk_layers(runner):
+        layer.host_cache.clear()
 
 
 def main(argv: list[str] | None = None) -> None:

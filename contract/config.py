@@ -93,12 +93,16 @@ class RuntimeSection(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+# the names of engram_store/build.py's RESIDENCIES registry (contract/ cannot import it: a test keeps them equal)
+EngramResidency = Literal["gpu", "host", "disk"]
+
+
 class EngramLayerSection(Section):
-    residency: Literal["gpu", "host", "disk"]
+    residency: EngramResidency
 
 
 class EngramSection(Section):
-    residency: Literal["gpu", "host", "disk"] = "host"  # every Engram layer, unless `layers` says otherwise
+    residency: EngramResidency = "host"  # every Engram layer, unless `layers` says otherwise
     path: str | None = None  # table files for disk residency (default: <model>/engram, converted on first use)
     host_cache_gb: float = Field(default=4.0, ge=0)  # host row cache in front of disk tables
     gpu_cache_gb: float = Field(default=0.0, ge=0)  # device row cache in front of the host one

@@ -52,6 +52,21 @@ class SamplingParams:
         """The sampler needs the output's token ids (any penalty)."""
         return self.penalizes_prompt or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def banned_at(self, draw_index: int) -> tuple[int, ...]:
+        """The ids the draw at `draw_index` (output tokens before it) may not take: stop_token_ids
+        until min_tokens tokens are out (`for_draw` adds the eos ids while that holds)."""
+        return self.stop_token_ids if draw_index < self.min_tokens else ()
+
+    def plain_at(self, draw_index: int) -> bool:
+        """The draw at `draw_index` is plain: the raw logits' argmax with only its own logprob to report
+        (greedy; no logit_bias, min_tokens ban or penalty reshapes the logits; no top logprobs). A step
+        whose rows are all plain is one argmax (worker/sampler.py). The one place that lists what makes
+        a draw not plain: a new sampling field that reshapes the draw joins it here. A method rather
+        than a property because the ban depends on the draw index, and a multi-token step draws
+        several indices of one request."""
+        reshaped = self.logit_bias or self.banned_at(draw_index) or self.penalizes_output
+        return self.greedy and not (reshaped or self.logprobs)
+
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidSamplingParams for what a schema cannot check: ids against the vocabulary, and
         min_tokens against max_tokens."""

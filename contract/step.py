@@ -1,4 +1,10 @@
-"""StepPlan / StepResult: the messages between the scheduler and the worker for one step."""
+"""StepPlan / StepResult: the messages between the scheduler and the worker for one step.
+
+Multi-token steps have their seam here (speculative decoding comes later): a chunk may carry draft
+tokens to verify after its tokens, and a result may carry the drafts it accepted before the token it
+sampled. The scheduler applies a result's tokens one by one, with the stop and length checks after
+each; worker/runner.py's docstring says how a rejected draft would be rolled back.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ class ScheduledChunk:
     # not copy histories every step
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    # tokens proposed to follow token_ids (a speculative step), computed after them and verified by
+    # drawing at each: only a sampling chunk carries them; the scheduler sets none yet
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,15 +60,25 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return sum(len(c.token_ids) + len(c.draft_token_ids) for c in self.chunks)
 
 
 @dataclass(frozen=True)
 class ChunkResult:
+    """What one chunk produced. Its new tokens are `accepted` then `sampled`: the verified prefix of
+    the chunk's drafts (as many as were accepted, each with the logprob the model gave it), then the
+    token drawn after them, which is the next step's input."""
+
     request_id: str
     sampled: TokenLogprob | None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # logprob of chunk token i+1 given tokens <= i
     error: str | None = None  # this chunk could not be computed correctly (e.g. an unreadable Engram row)
+    accepted: tuple[TokenLogprob, ...] = ()  # a prefix of the chunk's draft_token_ids; empty without drafts
+
+    @property
+    def new_tokens(self) -> tuple[TokenLogprob, ...]:
+        """The chunk's output tokens in order (none for a prompt chunk or a failed one)."""
+        return self.accepted + (self.sampled,) if self.sampled is not None else self.accepted
 
 
 @dataclass(frozen=True)

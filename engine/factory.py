@@ -21,6 +21,7 @@ from contract.config import DEFAULT_MODEL_DIR
 from engine.admission import MemoryPlan, plan_pages
 from engine.loop import EngineCore, OutputSink
 from engine.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
+from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
 from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity
@@ -167,8 +168,8 @@ def build_runner(
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
     options = engram_options(config)
-    # a disk tier converts missing table files on first use: rank 0 does it, the others wait for it
-    converts_first = plan_group is not None and "disk" in (options.residency, *options.layer_residency.values())
+    # a tier that reads table files converts missing ones on first use: rank 0 does it, the others wait
+    converts_first = plan_group is not None and any(RESIDENCIES[r].reads_files for r in options.residencies())
     if converts_first and tp.rank != 0:
         dist.barrier(group=plan_group)
     model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp or SINGLE,

@@ -20,8 +20,8 @@ GiB = 2**30
 
 def model_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
-    memory = getattr(model, "engram_memory", None)
-    engram = memory.source.resident_bytes() if memory is not None else 0
+    memory = model.engram_memory
+    engram = memory.resident_bytes() if memory is not None else 0
     return engram + sum(t.numel() * t.element_size() for t in tensors)
 
 

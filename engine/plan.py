@@ -45,9 +45,9 @@ from engine.factory import (
     resolve_dtype,
 )
 from engine.plan_weights import KINDS, WeightTensor, weight_tensors
+from engram_store.build import RESIDENCIES
 from models.cache import ModelCache, page_granularity
 from models.config import ConfigError, ModelConfig
-from models.engram_hash import EngramLayout
 from models.host_tier import HostTierSpec
 
 GiB = 2**30
@@ -67,7 +67,7 @@ class EngramPlan:
     row_bytes: int  # values + scales of one row
     device_bytes: int  # per rank: gpu-resident tables (split across ranks) and the device row cache
     host_bytes: int  # host-resident tables, the host row cache, resident scales
-    disk_bytes: int  # table files of disk-resident layers (excluding page padding)
+    disk_bytes: int  # table files of the layers whose residency reads files (excluding page padding)
 
 
 @dataclass(frozen=True)
@@ -125,27 +125,28 @@ def plan_device(config: ServeConfig) -> str:
 
 
 def engram_plan(model_config: ModelConfig, config: ServeConfig, device: str, ranks: int) -> EngramPlan | None:
+    """Each table's bytes where its residency keeps it (RESIDENCIES' `table_in`): on the device
+    (split across ranks), in host RAM, or in a file read through the row caches (which then count)."""
     spec = model_config.engram
     if spec is None:
         return None
-    rows = spec.num_embeddings
-    if not all(rows):
-        layout = EngramLayout.build(list(spec.layer_ids), spec.max_ngram, spec.n_heads, spec.prime_search_start)
-        rows = layout.num_embeddings
+    rows = spec.num_embeddings if all(spec.num_embeddings) else spec.layout.num_embeddings
     scale_bytes = spec.head_dim // 32
     row_bytes = spec.head_dim + scale_bytes
     section = config.engram
     layers = tuple((layer, n, section.layers[layer].residency if layer in section.layers else section.residency)
                    for layer, n in zip(spec.layer_ids, rows))
-    table = {tier: sum(n for _, n, r in layers if r == tier) * row_bytes for tier in ("gpu", "host", "disk")}
-    disk_rows = sum(n for _, n, r in layers if r == "disk")
-    caches = disk_rows > 0
-    device_bytes = -(-table["gpu"] // ranks) + (int(section.gpu_cache_gb * GiB) if caches else 0)
+    table = {"device": 0, "host": 0, "file": 0}
+    for _, n, residency in layers:
+        table[RESIDENCIES[residency].table_in] += n * row_bytes
+    file_rows = table["file"] // row_bytes
+    caches = file_rows > 0
+    device_bytes = -(-table["device"] // ranks) + (int(section.gpu_cache_gb * GiB) if caches else 0)
     host_bytes = table["host"] + (int(section.host_cache_gb * GiB) if caches else 0)
-    host_bytes += disk_rows * scale_bytes if section.resident_scales else 0
+    host_bytes += file_rows * scale_bytes if section.resident_scales else 0
     if device == "cpu":  # the compute device is the host: every resident byte is RAM
         host_bytes, device_bytes = host_bytes + device_bytes, 0
-    return EngramPlan(layers, row_bytes, device_bytes, host_bytes, table["disk"])
+    return EngramPlan(layers, row_bytes, device_bytes, host_bytes, table["file"])
 
 
 def workspace_estimate(model_config: ModelConfig, config: ServeConfig) -> tuple[int, int]:

@@ -1,34 +1,169 @@
 """Opens a checkpoint's Engram tables in the tiers the config asks for (store.py).
 
+RESIDENCIES is the one list of residency names: what each one's tier holds where (the memory plan,
+`python -m server plan`, reads it), whether it reads table files (converted first, read by whole-table
+row id under tensor parallelism), and how its tier is opened. A new tier is a new entry here.
+
 Disk tiers read table files from `engram.path` (default MODEL_DIR/engram), converted from the
-checkpoint on first use. Refused with a message naming the key: disk residency on tmpfs / ramfs
-(O_DIRECT would bypass nothing: the "disk" is RAM), a table whose layout differs from the config's,
-and resident scales over files that keep their scales inline.
+checkpoint on first use. Refused with a message naming the key: a residency name not in RESIDENCIES,
+disk residency on tmpfs / ramfs (O_DIRECT would bypass nothing: the "disk" is RAM), a table whose
+layout differs from the config's, and resident scales over files that keep their scales inline.
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 
 from engram_store.cache import RowCache
-from engram_store.convert import convert_checkpoint, read_header, table_file
+from engram_store.convert import convert_tables, read_header, table_file
 from engram_store.format import TableHeader
-from engram_store.store import DiskLayer, EngramOptions, EngramStore, ResidentLayer
+from engram_store.hashing import EngramLayout
+from engram_store.store import (
+    DiskLayer,
+    DiskTier,
+    EngramOptions,
+    EngramStore,
+    EngramTier,
+    ResidentLayer,
+    ResidentTier,
+    StoreStats,
+)
 from engram_store.uring import UringPageReader
 
 log = logging.getLogger("ds4serve.engram")
 RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
-TableReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+TableReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (layer id, head_dim) -> values, scales
 
 
 class EngramConfigError(ValueError):
     """An engram: setting that cannot work; names the key."""
+
+
+@dataclass(frozen=True)
+class TierInputs:
+    """What opening any tier may need: the checkpoint, its layout, the options and the compute device."""
+
+    layout: EngramLayout
+    head_dim: int
+    model_dir: Path
+    read_table: TableReader
+    options: EngramOptions
+    device: str
+    stats: StoreStats
+
+    @property
+    def directory(self) -> Path:
+        """Where the table files are (engram.path, default MODEL_DIR/engram)."""
+        return self.options.path or self.model_dir / "engram"
+
+
+TierOpener = Callable[[TierInputs, dict[int, int]], EngramTier]  # (inputs, layer index -> layer id) -> tier
+
+
+@dataclass(frozen=True)
+class Residency:
+    """One `engram.residency` value."""
+
+    name: str
+    table_in: Literal["device", "host", "file"]  # where the whole table lives (a file is read through row caches)
+    open: TierOpener
+
+    @property
+    def reads_files(self) -> bool:
+        """Rows come from the shared table files: converted before first use, read by whole-table row id."""
+        return self.table_in == "file"
+
+
+def _open_resident(inputs: TierInputs, layers: dict[int, int], on_device: bool) -> ResidentTier:
+    resident = {}
+    for index, layer in layers.items():
+        values, scales = inputs.read_table(layer, inputs.head_dim)
+        where = inputs.device if on_device else "cpu"
+        values, scales = values.to(where), scales.to(where)
+        if not on_device and torch.cuda.is_available():
+            values, scales = values.pin_memory(), scales.pin_memory()
+        resident[index] = ResidentLayer(values, scales, inputs.device)
+    return ResidentTier(resident, inputs.stats)
+
+
+def _open_on_device(inputs: TierInputs, layers: dict[int, int]) -> ResidentTier:
+    return _open_resident(inputs, layers, on_device=True)
+
+
+def _open_in_host_memory(inputs: TierInputs, layers: dict[int, int]) -> ResidentTier:
+    return _open_resident(inputs, layers, on_device=False)
+
+
+def _open_disk(inputs: TierInputs, layers: dict[int, int]) -> DiskTier:
+    """The layers' table files (converted first if missing) behind one reader, with row caches sized
+    by the options' byte budgets shared out in proportion to each layer's row width."""
+    directory, options, device = inputs.directory, inputs.options, inputs.device
+    _check_filesystem(directory)
+    paths = {index: table_file(directory, layer) for index, layer in layers.items()}
+    if not all(path.exists() for path in paths.values()):
+        log.info("converting the Engram tables of %s into %s (first use)", inputs.model_dir, directory)
+        convert_tables(inputs.model_dir, directory, inputs.layout, "separate" if options.resident_scales else "inline",
+                       progress=False)
+    headers = {index: read_header(path) for index, path in paths.items()}
+    row_bytes = sum(header.row_bytes for header in headers.values())
+    host_rows, device_rows = options.host_cache_bytes // row_bytes, options.gpu_cache_bytes // row_bytes
+    disk = {}
+    for file_index, (index, header) in enumerate(headers.items()):
+        primes = [p for order in inputs.layout.primes[index] for p in order]
+        _check_layout(header, inputs.layout.num_embeddings[index], primes, inputs.head_dim, paths[index])
+        scales = _resident_scales(header, paths[index]) if options.resident_scales else None
+        device_cache = RowCache(min(device_rows, header.rows), header.row_bytes, device) if device_rows else None
+        host_cache = RowCache(min(host_rows, header.rows), header.row_bytes,
+                              compute_device=device if torch.device(device).type == "cuda" else None)
+        disk[index] = DiskLayer(header, file_index, host_cache, device_cache, scales, device)
+    return DiskTier(disk, UringPageReader(list(paths.values()), options.queue_depth), inputs.stats)
+
+
+RESIDENCIES: dict[str, Residency] = {
+    residency.name: residency
+    for residency in (
+        Residency("gpu", "device", _open_on_device),
+        Residency("host", "host", _open_in_host_memory),
+        Residency("disk", "file", _open_disk),
+    )
+}
+
+
+def check_residencies(options: EngramOptions) -> None:
+    """Every residency the options name is one of RESIDENCIES; the message names the key."""
+    keys = [("engram.residency", options.residency)]
+    keys += [(f"engram.layers.{layer}.residency", name) for layer, name in options.layer_residency.items()]
+    for key, name in keys:
+        if name not in RESIDENCIES:
+            raise EngramConfigError(f"{key}: {name!r} is not one of {', '.join(RESIDENCIES)}")
+
+
+def build_store(layout: EngramLayout, head_dim: int, model_dir: Path, read_table: TableReader, options: EngramOptions,
+                device: str) -> EngramStore:
+    """The store of `layout`'s layers, each in the tier its residency names."""
+    check_residencies(options)
+    by_residency: dict[str, dict[int, int]] = {}
+    for index, layer in enumerate(layout.layer_ids):
+        by_residency.setdefault(options.residency_of(layer), {})[index] = layer
+    inputs = TierInputs(layout, head_dim, model_dir, read_table, options, device, StoreStats())
+    tiers = {name: RESIDENCIES[name].open(inputs, layers) for name, layers in by_residency.items()}
+    return EngramStore(tiers, inputs.stats)
+
+
+def _check_filesystem(directory: Path) -> None:
+    kind = filesystem_type(directory if directory.exists() else directory.parent)
+    if kind in RAM_FILESYSTEMS:
+        raise EngramConfigError(
+            f"engram.residency: disk on {directory} ({kind}) would read from RAM, not NVMe; use residency host,"
+            " or put engram.path on a disk"
+        )
 
 
 def filesystem_type(path: Path) -> str:
@@ -41,56 +176,6 @@ def filesystem_type(path: Path) -> str:
             if inside and len(mount_point) >= len(best):
                 best, kind = mount_point, fs_type
     return kind
-
-
-def build_store(
-    layer_ids: tuple[int, ...],
-    layer_rows: tuple[int, ...],
-    primes: list[list[int]],
-    head_dim: int,
-    model_dir: Path,
-    read_table: TableReader,
-    options: EngramOptions,
-    device: str,
-) -> EngramStore:
-    disk_layers = [layer for layer in layer_ids if options.residency_of(layer) == "disk"]
-    directory = options.path or model_dir / "engram"
-    if disk_layers:
-        kind = filesystem_type(directory if directory.exists() else directory.parent)
-        if kind in RAM_FILESYSTEMS:
-            raise EngramConfigError(
-                f"engram.residency: disk on {directory} ({kind}) would read from RAM, not NVMe; use residency host,"
-                " or put engram.path on a disk"
-            )
-        missing = [layer for layer in disk_layers if not table_file(directory, layer).exists()]
-        if missing:
-            log.info("converting the Engram tables of %s into %s (first use)", model_dir, directory)
-            convert_checkpoint(model_dir, directory, "separate" if options.resident_scales else "inline", progress=False)
-    headers = {layer: read_header(table_file(directory, layer)) for layer in disk_layers}
-    paths = [table_file(directory, layer) for layer in disk_layers]
-    reader = UringPageReader(paths, options.queue_depth) if paths else None
-    row_bytes = sum(headers[layer].row_bytes for layer in disk_layers)
-    host_rows = options.host_cache_bytes // row_bytes if row_bytes else 0
-    device_rows = options.gpu_cache_bytes // row_bytes if row_bytes else 0
-    layers = []
-    for index, (layer, rows) in enumerate(zip(layer_ids, layer_rows)):
-        residency = options.residency_of(layer)
-        if residency == "disk":
-            header = headers[layer]
-            _check_layout(header, rows, primes[index], head_dim, table_file(directory, layer))
-            scales = _resident_scales(header, table_file(directory, layer)) if options.resident_scales else None
-            device_cache = RowCache(min(device_rows, header.rows), header.row_bytes, device) if device_rows else None
-            host_cache = RowCache(min(host_rows, header.rows), header.row_bytes,
-                                  compute_device=device if torch.device(device).type == "cuda" else None)
-            layers.append(DiskLayer(header, disk_layers.index(layer), host_cache, device_cache, scales, device))
-        else:
-            values, scales = read_table(layer, head_dim)
-            where = device if residency == "gpu" else "cpu"
-            values, scales = values.to(where), scales.to(where)
-            if residency == "host" and torch.cuda.is_available():
-                values, scales = values.pin_memory(), scales.pin_memory()
-            layers.append(ResidentLayer(values, scales, device))
-    return EngramStore(layers, reader, device)
 
 
 def _check_layout(header: TableHeader, rows: int, primes: list[int], head_dim: int, path: Path) -> None:

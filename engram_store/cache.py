@@ -99,6 +99,17 @@ class RowCache:
         target = torch.from_numpy(slots)
         self.storage[target.to(self.storage.device)] = data.to(self.storage.device)
 
+    def check_integrity(self) -> None:
+        """The row -> slot index and each slot's owner agree both ways (a lookup can never return
+        another row's bytes), credits are in range and the hand points at a slot."""
+        rows = np.fromiter(self.index.keys(), dtype=np.int64, count=len(self.index))
+        slots = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+        assert len(rows) == int((self.row_of_slot != FREE).sum()), "the index and the slots hold different row counts"
+        assert ((0 <= slots) & (slots < self.capacity)).all(), "an index entry points outside the cache"
+        assert np.array_equal(self.row_of_slot[slots], rows), "an index entry points at a slot another row holds"
+        assert (self.credit <= MAX_CREDIT).all(), "a slot holds more credit than MAX_CREDIT"
+        assert self.capacity == 0 or 0 <= self.hand < self.capacity, "the clock hand is off the slots"
+
     def _claim(self, n: int) -> np.ndarray:
         """n distinct slots: the hand's next slots without credit (free slots have none), taking one
         credit from each slot it passes on the way. Terminates: every full turn of the hand lowers

@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 
 from engram_store.format import PAGE, TableFormatError, TableHeader, check_page, seal_page
+from engram_store.hashing import EngramLayout
+from engram_store.spec import checkpoint_spec
 
 ROWS_PER_BLOCK = 1 << 16
 
@@ -97,28 +99,45 @@ def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarr
     return final
 
 
-def convert_checkpoint(model_dir: Path, out_dir: Path, scale_layout: str = "inline", progress: bool = True) -> list[Path]:
-    """One table file per Engram layer of a V4.1 checkpoint (`model.engram_tables.<L>.weight`)."""
-    from models.config import ModelConfig
-    from models.engram_hash import EngramLayout
-    from models.loader import TensorSource
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file of a checkpoint holds each tensor: the index's weight map, else the keys
+    of model.safetensors (or, without it, of every *.safetensors file)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = model_dir / "model.safetensors"
+    files: dict[str, Path] = {}
+    for path in [single] if single.exists() else sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), path))
+    return files
 
-    config = ModelConfig.from_file(model_dir / "config.json")
-    spec = config.engram
+
+def convert_checkpoint(model_dir: Path, out_dir: Path, scale_layout: str = "inline", progress: bool = True) -> list[Path]:
+    """One table file per Engram layer of the V4.1 checkpoint in `model_dir` (its config.json's layout)."""
+    spec = checkpoint_spec(model_dir)
     if spec is None:
         raise TableFormatError(f"{model_dir}: the checkpoint has no Engram layers")
-    layout = EngramLayout.build(list(spec.layer_ids), spec.max_ngram, spec.n_heads, spec.prime_search_start)
-    source = TensorSource(model_dir)
+    return convert_tables(model_dir, out_dir, spec.layout, scale_layout, progress)
+
+
+def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_layout: str = "inline",
+                   progress: bool = True) -> list[Path]:
+    """One table file per layer of `layout` from the checkpoint's `model.engram_tables.<L>.weight`
+    tensors, the layout's primes and offsets written into each header (build.py checks them)."""
+    files = tensor_files(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for index, layer in enumerate(spec.layer_ids):
+    for index, layer in enumerate(layout.layer_ids):
         name = f"model.engram_tables.{layer}.weight"
-        scale_name = next((n for n in (name + "_scale_inv", f"model.engram_tables.{layer}.scale") if n in source.names()), None)
-        with safe_open(source.files[name], framework="pt") as values_file:
+        if name not in files:
+            raise TableFormatError(f"{model_dir}: no tensor {name} in the checkpoint's safetensors files")
+        scale_name = next((n for n in (name + "_scale_inv", f"model.engram_tables.{layer}.scale") if n in files), None)
+        with safe_open(files[name], framework="pt") as values_file:
             values = values_file.get_slice(name)
             rows, dim = values.get_shape()
             value_dtype = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "F32": "float32"}[values.get_dtype()]
-            scale_handle = safe_open(source.files[scale_name], framework="pt") if scale_name else None
+            scale_handle = safe_open(files[scale_name], framework="pt") if scale_name else None
             scales = scale_handle.get_slice(scale_name) if scale_handle else None
             n_scales = scales.get_shape()[1] if scales is not None else 1
             scale_dtype = "e8m0" if value_dtype == "float8_e4m3fn" else "float32"

@@ -1,16 +1,17 @@
-"""The Engram row store: every layer's rows from its residency tier, with disk reads prefetched.
+"""The Engram row store: every layer's rows from its residency's tier, with disk reads prefetched.
 
-Tiers, chosen per layer (`engram.residency`, per-layer overrides):
+Tiers, one per residency in use (`engram.residency`, per-layer overrides; build.py's RESIDENCIES opens
+them), all behind `EngramTier`:
 - gpu: the whole table in the compute device's memory; host: the whole table in (pinned) RAM;
 - disk: the table file (format.py) on NVMe, read through io_uring, with a host row cache (cache.py:
   CLOCK with hit credits) and optionally a device row cache in front of it.
-The model calls `prefetch(row ids of the step, every Engram layer)` as soon as it has hashed the step's
-tokens: disk layers dedupe the rows, serve cache hits and queue the misses on the I/O thread, so the
-reads overlap the layers that run before the first Engram layer. `rows(layer, ids)` then waits only for
-that layer. The runner also hands over `hint`s (a sampled token's rows, before its step is scheduled)
-that warm the cache and are cancelled if the request is aborted.
-A row that cannot be read and verified is never used: it comes back as zeros and the tokens that
-needed it are reported by `failed_tokens()`, so the runner fails exactly those requests.
+The model calls `start(row ids of the step, every Engram layer)` as soon as it has hashed the step's
+tokens and gets an `EngramStep`: disk layers dedupe the rows, serve cache hits and queue the misses on
+the I/O thread, so the reads overlap the layers that run before the first Engram layer.
+`rows(step, layer)` then waits only for that layer. The runner also hands over `hint`s (a sampled
+token's rows, before its step is scheduled) that warm the cache and are cancelled if the request is
+aborted. A row that cannot be read and verified is never used: it comes back as zeros and the tokens
+that needed it are in the step's `failed`, so the runner fails exactly those requests.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,11 +33,11 @@ import torch
 from contract import PREFETCH_WAIT_BUCKETS, EngramStats
 from engram_store.cache import FREE, RowCache
 from engram_store.format import PAGE, TableHeader, check_page
+from engram_store.rows import EngramStep
 from engram_store.uring import PageKey, UringPageReader
 from kernels import gather_engram_rows
 
 log = logging.getLogger("ds4serve.engram")
-RESIDENCIES = ("gpu", "host", "disk")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class EngramOptions:
 
     def residency_of(self, layer_id: int) -> str:
         return self.layer_residency.get(layer_id, self.residency)
+
+    def residencies(self) -> set[str]:
+        """Every residency the options name (the default one even if every layer overrides it)."""
+        return {self.residency, *self.layer_residency.values()}
 
 
 @dataclass
@@ -93,6 +100,10 @@ class ResidentLayer:
 
     def rows(self, row_ids: torch.Tensor) -> torch.Tensor:
         return gather_engram_rows(self.values, self.scales, row_ids.to(self.values.device)).to(self.device)
+
+    def check_integrity(self) -> None:
+        v, s = self.values, self.scales
+        assert v.shape[0] == s.shape[0] and v.shape[1] % s.shape[1] == 0, (tuple(v.shape), tuple(s.shape))
 
 
 class DiskLayer:
@@ -158,6 +169,18 @@ class DiskLayer:
             self.reads_done = torch.cuda.Event()
             self.reads_done.record()
 
+    def check_integrity(self) -> None:
+        """Each cache's bookkeeping agrees with itself (cache.py), holds rows of this table only, and
+        stores rows of this table's width."""
+        with self.lock:
+            for cache in (self.host_cache, self.device_cache):
+                if cache is None:
+                    continue
+                cache.check_integrity()
+                held = cache.row_of_slot[cache.row_of_slot != FREE]
+                assert ((0 <= held) & (held < self.header.rows)).all(), f"layer {self.header.layer_id}: a cached row outside the table"
+                assert cache.storage.shape == (cache.capacity, self.header.row_bytes), "cache storage of another row width"
+
     def page_keys(self, rows: np.ndarray) -> list[PageKey]:
         """The distinct pages of the file that hold `rows`, in page order (the order `take` expects)."""
         return [(self.file_index, int(page)) for page in np.unique(self.header.page_of(rows)[0])]
@@ -201,103 +224,175 @@ class DiskLayer:
         return (values.view(len(raw), -1, h.scale_block) * scales[..., None]).view(len(raw), h.row_dim)
 
 
-class EngramStore:
-    def __init__(self, layers: list[ResidentLayer | DiskLayer], reader: UringPageReader | None, device: str) -> None:
-        self.layers, self.reader, self.device = layers, reader, device
-        self.stats = StoreStats()
-        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
-        self._pending: dict[int, tuple | torch.Tensor] = {}
-        self._failed: dict[int, str] = {}
-        self._cancelled: set[str] = set()
-        self._order = 0
-        self._thread = None
-        if reader is not None:
-            self._thread = threading.Thread(target=self._serve, name="ds4serve-engram-io", daemon=True)
-            self._thread.start()
+class EngramTier(Protocol):
+    """One residency's layers (build.py's RESIDENCIES opens one tier per residency in use). Layer
+    indexes are positions among the model's Engram layers; the store routes each to its tier."""
 
-    # -- the model's side ------------------------------------------------------------------------
-    def prefetch(self, row_ids: torch.Tensor) -> None:
-        """row_ids [T, engram layers, columns] of the step about to run: serves cache hits now and
-        starts the disk layers' reads of the rest, every layer's in one job (one queue of reads)."""
-        self._failed = {}
-        self._pending = self._start({index: row_ids[:, index] for index, layer in enumerate(self.layers)
-                                     if isinstance(layer, DiskLayer)})
+    layers: Mapping[int, ResidentLayer | DiskLayer]
+    stats: StoreStats  # the store's counters, shared by its tiers
 
-    def _start(self, row_ids: dict[int, torch.Tensor]) -> dict[int, tuple | torch.Tensor]:
-        """What rows() needs for each of these disk layers: the decoded rows already (every row
-        cached), or the distinct rows, the cached ones' bytes, the missing mask and the read job."""
-        started: dict[int, tuple | torch.Tensor] = {}
-        reads: dict[int, np.ndarray] = {}
-        for index, ids in row_ids.items():
-            ready = self.layers[index].gather_hits(ids.numpy().reshape(-1), self.stats)
-            if ready is not None:
-                started[index] = ready
-                continue
-            unique = np.unique(ids.numpy())
-            raw, missing = self.layers[index].cached(unique, self.stats)
-            started[index] = (unique, raw, missing)
-            if missing.any():
-                reads[index] = unique[missing]
-        future = self._submit(priority=0, reads=reads) if reads else None
-        return {index: (*state, future if index in reads else None) if isinstance(state, tuple) else state
-                for index, state in started.items()}
+    def start(self, step: EngramStep) -> None:
+        """Begins reading the step's ids of this tier's layers, keeping what it started in `step.reads`."""
+        ...
 
-    def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
-        """[T, columns, row_dim] float32 rows on the compute device; waits for this layer's reads."""
-        layer = self.layers[layer_index]
-        if isinstance(layer, ResidentLayer):
-            self.stats.rows_resident += row_ids.numel()
-            return layer.rows(row_ids)
-        ids = row_ids.numpy()
-        pending = self._pending.pop(layer_index, None)
-        if pending is None:
-            pending = self._start({layer_index: row_ids})[layer_index]
-        if isinstance(pending, torch.Tensor):  # every row was cached: nothing to wait for
-            self.stats.record_wait(0.0)
-            return pending.view(*row_ids.shape, -1)
-        unique, raw, missing, future = pending
-        failed: dict[int, str] = {}
-        started = time.perf_counter()
-        if future is not None:
-            read_raw, failed = future.result()[layer_index]
-            raw[torch.from_numpy(missing).to(raw.device)] = read_raw.to(raw.device)
-        self.stats.record_wait(time.perf_counter() - started)
-        index = torch.from_numpy(np.searchsorted(unique, ids.reshape(-1))).to(raw.device)
-        rows = layer.decode(raw[index], torch.from_numpy(ids.reshape(-1)))
-        if failed:
-            bad = np.isin(ids, np.fromiter(failed, dtype=np.int64))
-            rows[torch.from_numpy(bad.reshape(-1)).to(rows.device)] = 0.0  # never a wrong row: zeros, and the token fails
-            for token in np.flatnonzero(bad.any(axis=1)).tolist():
-                first = next(int(r) for r in ids[token] if int(r) in failed)
-                self._failed.setdefault(token, failed[first])
-        return rows.view(*row_ids.shape, -1).to(self.device)
+    def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
+        """[*ids.shape, row_dim] float32 rows of one of this tier's layers, on the compute device."""
+        ...
 
-    def failed_tokens(self) -> dict[int, str]:
-        """Tokens of the last step (flat batch rows) whose rows could not be served, with the reason."""
-        return dict(self._failed)
+    def hint(self, request_ids: tuple[str, ...], row_ids: Mapping[int, torch.Tensor]) -> None:
+        """Reads ahead the rows of this tier's layers that `request_ids` will need next."""
+        ...
 
-    def resident_bytes(self) -> int:
-        tensors = []
-        for layer in self.layers:
-            if isinstance(layer, ResidentLayer):
-                tensors += [layer.values, layer.scales]
-            else:
-                tensors += [c.storage for c in (layer.host_cache, layer.device_cache) if c is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def cancel(self, request_id: str) -> None:
+        ...
 
     @property
-    def reads_disk(self) -> bool:
-        """Whether some layer reads from disk (only then are hints worth hashing)."""
-        return self.reader is not None
+    def reads_ahead(self) -> bool:
+        ...
+
+    def resident_bytes(self) -> int:
+        ...
+
+    def check_integrity(self) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class ResidentTier:
+    """gpu / host residency: whole tables in memory, so a step has nothing to start or wait for."""
+
+    reads_ahead = False
+
+    def __init__(self, layers: dict[int, ResidentLayer], stats: StoreStats) -> None:
+        self.layers, self.stats = layers, stats
+
+    def start(self, step: EngramStep) -> None:
+        """Every row is resident."""
+
+    def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
+        ids = step.row_ids[layer_index]
+        self.stats.rows_resident += ids.numel()
+        return self.layers[layer_index].rows(ids)
+
+    def hint(self, request_ids: tuple[str, ...], row_ids: Mapping[int, torch.Tensor]) -> None:
+        """Nothing to read ahead."""
+
+    def cancel(self, request_id: str) -> None:
+        """No hints to drop."""
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.values, layer.scales))
+
+    def check_integrity(self) -> None:
+        for layer in self.layers.values():
+            layer.check_integrity()
+
+    def close(self) -> None:
+        """Nothing runs."""
+
+
+@dataclass
+class DiskRead:
+    """A disk layer's part of a step whose rows were not all cached: its distinct rows, their bytes
+    (the cached ones so far), the mask of the missing ones and the job reading them (None once its
+    result is merged, or when nothing was missing), and why each unreadable row failed."""
+
+    unique: np.ndarray
+    raw: torch.Tensor
+    missing: np.ndarray
+    job: Future | None = None
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def wait(self, layer_index: int) -> None:
+        """Merges the read job's bytes into `raw` (once: rows() may be asked again for the layer)."""
+        if self.job is None:
+            return
+        read_raw, self.failed = self.job.result()[layer_index]
+        self.raw[torch.from_numpy(self.missing).to(self.raw.device)] = read_raw.to(self.raw.device)
+        self.job = None
+
+
+class DiskTier:
+    """disk residency: the layers' table files read by one I/O thread, through their row caches."""
+
+    reads_ahead = True
+
+    def __init__(self, layers: dict[int, DiskLayer], reader: UringPageReader, stats: StoreStats) -> None:
+        self.layers, self.reader, self.stats = layers, reader, stats
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._cancelled: set[str] = set()
+        self._order = 0
+        self._thread: threading.Thread | None = threading.Thread(target=self._serve, name="ds4serve-engram-io", daemon=True)
+        self._thread.start()
+
+    # -- the model's side ------------------------------------------------------------------------
+    def start(self, step: EngramStep) -> None:
+        """Per layer: the decoded rows already (every row cached, gathered in one op), or the distinct
+        rows with the cached ones' bytes; the misses of every layer queued as one read job."""
+        reads: dict[int, np.ndarray] = {}
+        for index, ids in step.row_ids.items():
+            layer = self.layers.get(index)
+            if layer is None:  # another tier's layer
+                continue
+            ready = layer.gather_hits(ids.numpy().reshape(-1), self.stats)
+            if ready is not None:
+                step.reads[index] = ready
+                continue
+            unique = np.unique(ids.numpy())
+            raw, missing = layer.cached(unique, self.stats)
+            step.reads[index] = DiskRead(unique, raw, missing)
+            if missing.any():
+                reads[index] = unique[missing]
+        if reads:
+            job = self._submit(priority=0, reads=reads)
+            for index in reads:
+                step.reads[index].job = job
+
+    def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
+        """Waits for this layer's part of the step's read job only; unreadable rows are zeros and
+        their tokens fail in `step`."""
+        ids = step.row_ids[layer_index].numpy()
+        read = step.reads[layer_index]
+        if isinstance(read, torch.Tensor):  # every row was cached: nothing to wait for
+            self.stats.record_wait(0.0)
+            return read.view(*ids.shape, -1)
+        started = time.perf_counter()
+        read.wait(layer_index)
+        self.stats.record_wait(time.perf_counter() - started)
+        index = torch.from_numpy(np.searchsorted(read.unique, ids.reshape(-1))).to(read.raw.device)
+        rows = self.layers[layer_index].decode(read.raw[index], torch.from_numpy(ids.reshape(-1)))
+        if read.failed:
+            self._fail(step, ids, read.failed, rows)
+        return rows.view(*ids.shape, -1).to(self.layers[layer_index].device)
+
+    @staticmethod
+    def _fail(step: EngramStep, ids: np.ndarray, failed: dict[int, str], rows: torch.Tensor) -> None:
+        """Zeros for the rows that failed (never a wrong row) and, for each token that needed one, the
+        first failed row's reason in the step."""
+        bad = np.isin(ids, np.fromiter(failed, dtype=np.int64))
+        rows[torch.from_numpy(bad.reshape(-1)).to(rows.device)] = 0.0
+        for token in np.flatnonzero(bad.any(axis=1)).tolist():
+            step.fail(token, failed[next(int(r) for r in ids[token] if int(r) in failed)])
+
+    def resident_bytes(self) -> int:
+        caches = [c for layer in self.layers.values() for c in (layer.host_cache, layer.device_cache) if c is not None]
+        return sum(c.storage.numel() * c.storage.element_size() for c in caches)
+
+    def check_integrity(self) -> None:
+        files = [layer.file_index for layer in self.layers.values()]
+        assert sorted(files) == list(range(len(self.reader.fds))), "layers and table files do not pair up"
+        for layer in self.layers.values():
+            layer.check_integrity()
 
     # -- the scheduler's side --------------------------------------------------------------------
-    def hint(self, request_ids: list[str], row_ids: torch.Tensor) -> None:
-        """Warms the host cache for rows that requests will need next (row_ids [T, L, C]); skipped if
-        every one of `request_ids` was aborted before the I/O thread gets to it."""
-        reads = {index: np.unique(row_ids[:, index].numpy()) for index, layer in enumerate(self.layers)
-                 if isinstance(layer, DiskLayer)}
+    def hint(self, request_ids: tuple[str, ...], row_ids: Mapping[int, torch.Tensor]) -> None:
+        """Warms the host caches for rows that requests will need next; skipped if every one of
+        `request_ids` was aborted before the I/O thread gets to it."""
+        reads = {index: np.unique(ids.numpy()) for index, ids in row_ids.items() if index in self.layers}
         if reads:
-            self._submit(priority=1, reads=reads, request_ids=tuple(request_ids))
+            self._submit(priority=1, reads=reads, request_ids=request_ids)
 
     def cancel(self, request_id: str) -> None:
         """Drops the request's hints that have not been read yet."""
@@ -309,7 +404,7 @@ class EngramStore:
         bytes and why each unusable row failed."""
         future: Future = Future()
         if self._thread is None:
-            raise RuntimeError("disk-resident Engram layers need the I/O thread")
+            raise RuntimeError("the Engram I/O thread was stopped (store closed)")
         self._order += 1
         self._jobs.put((priority, self._order, reads, request_ids, future))
         return future
@@ -368,5 +463,53 @@ class EngramStore:
             self._jobs.put((-1, 0, None, (), None))
             self._thread.join(5)
             self._thread = None
-        if self.reader is not None:
-            self.reader.close()
+        self.reader.close()
+
+
+class EngramStore:
+    """Every Engram layer's rows, each from its residency's tier (a RowSource, rows.py)."""
+
+    def __init__(self, tiers: dict[str, EngramTier], stats: StoreStats) -> None:
+        """`tiers`: by residency name, the ones some layer uses; together they hold every layer."""
+        self.tiers, self.stats = tiers, stats
+        self._tier_of = {index: tier for tier in tiers.values() for index in tier.layers}
+        assert sorted(self._tier_of) == list(range(len(self._tier_of))), "a layer index in no tier, or in two"
+        self.layers = [self._tier_of[index].layers[index] for index in range(len(self._tier_of))]
+
+    def start(self, row_ids: Mapping[int, torch.Tensor]) -> EngramStep:
+        """A step's reads (layer index -> [T, columns] ids), every tier's begun: cache hits served now,
+        the disk layers' misses queued as one read job."""
+        step = EngramStep(dict(row_ids))
+        for tier in self.tiers.values():
+            tier.start(step)
+        return step
+
+    def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
+        """[T, columns, row_dim] float32 rows on the compute device; waits for this layer's reads."""
+        return self._tier_of[layer_index].rows(step, layer_index)
+
+    def hint(self, request_ids: Sequence[str], row_ids: Mapping[int, torch.Tensor]) -> None:
+        for tier in self.tiers.values():
+            tier.hint(tuple(request_ids), row_ids)
+
+    def cancel(self, request_id: str) -> None:
+        for tier in self.tiers.values():
+            tier.cancel(request_id)
+
+    @property
+    def reads_ahead(self) -> bool:
+        return any(tier.reads_ahead for tier in self.tiers.values())
+
+    def counters(self) -> EngramStats:
+        return self.stats.snapshot()
+
+    def resident_bytes(self) -> int:
+        return sum(tier.resident_bytes() for tier in self.tiers.values())
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers.values():
+            tier.check_integrity()
+
+    def close(self) -> None:
+        for tier in self.tiers.values():
+            tier.close()

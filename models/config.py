@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.config_error import ConfigError
 from models.config_v41 import (
     SHARED_COMPRESSED,
     V41_MODEL_TYPES,
@@ -34,10 +35,6 @@ MOE = "moe"
 
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
-
-
-class ConfigError(ValueError):
-    """A config.json that cannot describe a DeepSeek-V4 model; the message names the key."""
 
 
 @dataclass(frozen=True)

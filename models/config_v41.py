@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engram_store.spec import EngramSpec, EngramSpecError
+from engram_store.spec import engram_spec as read_engram_spec
+from models.config_error import ConfigError
+
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 SHARED_COMPRESSED = "shared_compressed_attention"
 SLIDING = "sliding_attention"
@@ -20,28 +24,6 @@ SLIDING = "sliding_attention"
 _RELEASE_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 _RELEASE_KV_SOURCES = [2, 8, 14, 20]
 _RELEASE_INDEX_SOURCES = [2, 8, 14, 20, 24, 28, 32, 36]
-
-
-@dataclass(frozen=True)
-class EngramSpec:
-    """Engram hashed n-gram memory: which layers, table layout inputs and the row format."""
-
-    layer_ids: tuple[int, ...]
-    prime_search_start: int  # `engram_vocab_size`: table sizes are the primes above it
-    num_embeddings: tuple[int, ...]  # rows per layer table (sum of that layer's primes)
-    max_ngram: int
-    n_heads: int
-    head_dim: int
-    pad_id: int  # raw token id whose compressed id fills blocked look-back slots
-    compressed_vocab_size: int | None
-
-    @property
-    def n_columns(self) -> int:
-        return (self.max_ngram - 1) * self.n_heads
-
-    @property
-    def context_len(self) -> int:
-        return self.max_ngram - 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +48,6 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
         return dict(raw)
     text = raw.get("text_config")
     if not isinstance(text, dict):
-        from models.config import ConfigError
 
         raise ConfigError("model_type 'deepseek_v41' needs a 'text_config' object")
     merged = dict(text)
@@ -86,7 +67,6 @@ def compress_ratios(d: dict[str, Any], n_layers: int) -> tuple[int, ...]:
 
 
 def shared_compression(d: dict[str, Any], ratios: tuple[int, ...]) -> SharedCompression:
-    from models.config import ConfigError
 
     kv = d.get("kv_source_layer_ids")
     if kv is None:
@@ -123,30 +103,9 @@ def shared_compression(d: dict[str, Any], ratios: tuple[int, ...]) -> SharedComp
 
 
 def engram_spec(d: dict[str, Any], n_layers: int) -> EngramSpec | None:
-    from models.config import ConfigError
+    """engram_store/spec.py reads the Engram keys (the converter reads them too); its errors are config errors."""
 
-    layer_ids = tuple(int(i) for i in (d.get("engram_layer_ids") or ()))
-    if not layer_ids:
-        return None
-    bad = [i for i in layer_ids if not 0 <= i < n_layers]
-    if bad or len(set(layer_ids)) != len(layer_ids):
-        raise ConfigError(f"engram_layer_ids {list(layer_ids)}: ids must be distinct layers below {n_layers}")
-    sizes = d.get("engram_num_embeddings")
-    sizes = tuple(int(s) for s in sizes) if sizes is not None else (0,) * len(layer_ids)
-    if len(sizes) != len(layer_ids):
-        raise ConfigError("engram_num_embeddings must have one entry per engram_layer_ids entry")
-    spec = EngramSpec(
-        layer_ids=layer_ids,
-        prime_search_start=int(d.get("engram_vocab_size", 16_000_000)),
-        num_embeddings=sizes,
-        max_ngram=int(d.get("engram_max_ngram_size", 4)),
-        n_heads=int(d.get("engram_n_heads", 8)),
-        head_dim=int(d.get("engram_head_dim", 256)),
-        pad_id=int(d.get("engram_pad_id", 2)),
-        compressed_vocab_size=d.get("engram_compressed_vocab_size"),
-    )
-    if spec.max_ngram < 2 or spec.n_heads < 1:
-        raise ConfigError("engram_max_ngram_size must be >= 2 and engram_n_heads >= 1")
-    if spec.head_dim % 32:
-        raise ConfigError(f"engram_head_dim {spec.head_dim} must be a multiple of 32 (one scale per 32 channels)")
-    return spec
+    try:
+        return read_engram_spec(d, n_layers)
+    except EngramSpecError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engram_store.rows import RowSource
+from contract import EngramStats
+from engram_store.hashing import NgramHasher
+from engram_store.rows import EngramStep, RowSource
 from models.batch import ForwardBatch
-from models.engram_hash import NgramHasher
 from models.parallel import TensorParallel, mark_shards
 
 GATE_FLOOR = 1e-6
@@ -122,6 +123,22 @@ class EngramShard:
         return row_ids[:, :, self.first : self.end] + shifts[:, None]
 
 
+@dataclass(frozen=True)
+class HashedToken:
+    """A hinted next token's row ids [layers, columns], with the look-back it was hashed in and the
+    look-back after it: the step that feeds the token reuses them if its slot still holds that look-back
+    (row ids depend only on the token and the look-back), so the token is hashed once."""
+
+    token_id: int
+    context: tuple[int, ...]
+    advanced: tuple[int, ...]
+    row_ids: np.ndarray
+
+    def fits(self, token_ids: list[int], context: list[int]) -> bool:
+        """Whether a chunk of these tokens after this look-back is the hinted token at its next position."""
+        return token_ids == [self.token_id] and tuple(context) == self.context
+
+
 class EngramMemory:
     """Everything an Engram forward needs besides the fusion weights: the n-gram hasher (from the
     checkpoint's tokenizer) and the row source (in memory here; engram_store/ streams from disk).
@@ -129,27 +146,39 @@ class EngramMemory:
     Row ids depend only on tokens, so one call hashes the whole step for every Engram layer; each slot's
     look-back (the last max_ngram - 1 compressed ids) is carried in the cache between steps. Under
     tensor parallelism (`shard`) every rank hashes every column (cheap, and the look-back stays
-    whole) but asks its source only for its own heads' rows."""
+    whole) but asks its source only for its own heads' rows.
+
+    The model hashes (`row_ids` / `step_row_ids`), starts the step's reads (`start`, an EngramStep)
+    and reads each layer's rows through that step (`rows`). The runner asks for the last step's
+    failures, hints the next step's rows (`hint_next`: their hashes are kept for that step), cancels
+    aborted requests' hints and reads the counters."""
 
     def __init__(self, hasher: NgramHasher, rows: RowSource, shard: EngramShard | None = None) -> None:
         self.hasher, self.source, self.shard = hasher, rows, shard
+        self._last_step: EngramStep | None = None  # its failures are the runner's to report
+        self._hinted: dict[int, HashedToken] = {}  # slot -> its next token, hashed by hint_next
 
+    # -- the model's side ----------------------------------------------------------------------------
     def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
         """[T, engram layers, columns] int64 whole-table row ids of the step's tokens; advances `context`
-        [slots, N-1]."""
+        [slots, N-1]. A one-token chunk whose token was hinted in the same look-back is not hashed again."""
+        hinted = self._take_hinted()
         per_chunk, advanced = [], []
         tokens = batch.token_ids.tolist()
         slots = torch.tensor([chunk.slot for chunk in batch.chunks], device=context.device)
         held = context[slots].tolist()  # one read of every slot's look-back, not one per sequence
         for chunk, carried in zip(batch.chunks, held):
             carried = self.hasher.empty_context() if chunk.position == 0 else carried
-            ids, carried = self.hasher.row_ids(tokens[chunk.rows], None, carried)
+            chunk_tokens = tokens[chunk.rows]
+            known = hinted.get(chunk.slot)
+            if known is not None and known.fits(chunk_tokens, carried):
+                ids, carried = known.row_ids[None], list(known.advanced)
+            else:
+                ids, carried = self.hasher.row_ids(chunk_tokens, None, carried)
             advanced.append(carried)
             per_chunk.append(torch.from_numpy(ids))
         context[slots] = torch.tensor(advanced, dtype=context.dtype).to(context.device)
-        row_ids = torch.cat(per_chunk)
-        self.source.prefetch(self._for_source(row_ids))  # disk tiers read while the layers before Engram run
-        return row_ids
+        return torch.cat(per_chunk)
 
     def step_row_ids(self, slots: list[int], token_ids: list[int], positions: list[int], context: torch.Tensor) -> torch.Tensor:
         """`row_ids` for a decode step (one token per slot), hashed in one vectorised call: the same
@@ -158,26 +187,84 @@ class EngramMemory:
         held = context[index].cpu().numpy()
         held[np.asarray(positions) == 0] = self.hasher.empty_context()  # a sequence at position 0 has no past
         tokens = np.asarray(token_ids, dtype=np.int64)
-        row_ids = torch.from_numpy(self.hasher.next_row_ids(tokens, held))
-        advanced = np.concatenate([held, self.hasher.lookup[tokens][:, None]], axis=1)[:, 1:]
+        row_ids = self._next_row_ids(slots, tokens, held)
+        advanced = self.hasher.advance(held, tokens)
         context[index] = torch.from_numpy(advanced).to(device=context.device, dtype=context.dtype)
-        self.source.prefetch(self._for_source(row_ids))
-        return row_ids
+        return torch.from_numpy(row_ids)
 
-    def next_row_ids(self, token_ids: np.ndarray, contexts: np.ndarray) -> torch.Tensor:
-        """What this rank's source reads ([N, engram layers, its columns]) for one next token of each of N
-        sequences with carried contexts [N, N-1]: the runner's prefetch hints."""
-        return self._for_source(torch.from_numpy(self.hasher.next_row_ids(token_ids, contexts)))
+    def start(self, row_ids: torch.Tensor) -> EngramStep:
+        """Starts this rank's reads of a step's rows (whole-table ids [T, layers, columns]): disk tiers
+        read while the layers before the first Engram layer run. The step is the runner's `failed_tokens`
+        until the next one starts."""
+        own = self._for_source(row_ids)
+        self._last_step = self.source.start(dict(enumerate(own.unbind(1))))
+        return self._last_step
 
-    def rows(self, layer_index: int, row_ids: torch.Tensor) -> torch.Tensor:
-        """[T, columns (this rank's), head_dim] float32 rows of the `layer_index`-th Engram layer, given
-        the step's whole-table row ids."""
-        return self.source.rows(layer_index, self._for_source(row_ids)[:, layer_index])
+    def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
+        """[T, columns (this rank's), head_dim] float32 rows of the `layer_index`-th Engram layer of
+        `step`."""
+        return self.source.rows(step, layer_index)
 
+    # -- the runner's side ---------------------------------------------------------------------------
     def failed_tokens(self) -> dict[int, str]:
-        """Batch rows of the last step that got no valid Engram rows from this rank's source (their
-        requests must fail)."""
-        return self.source.failed_tokens()
+        """Flat batch rows of the last step that got no valid Engram rows from this rank's source (their
+        requests must fail), with the reason."""
+        return {} if self._last_step is None else dict(self._last_step.failed)
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Some layer reads from disk: hints (`hint_next`) are worth making."""
+        return self.source.reads_ahead
+
+    def hint_next(self, request_ids: list[str], slots: list[int], token_ids: list[int], context: torch.Tensor) -> None:
+        """Sampled tokens are the next step's inputs: hashes each (slot's look-back in `context`
+        [slots, N-1]) once, keeps the ids for the step that feeds it, and hints the source."""
+        held = context[torch.tensor(slots, device=context.device)].cpu().numpy()
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        row_ids = self.hasher.next_row_ids(tokens, held)
+        advanced = self.hasher.advance(held, tokens)
+        self._hinted = {
+            slot: HashedToken(token, tuple(before), tuple(after), ids)
+            for slot, token, before, after, ids in zip(slots, token_ids, held.tolist(), advanced.tolist(), row_ids)
+        }
+        own = self._for_source(torch.from_numpy(row_ids))
+        self.source.hint(request_ids, dict(enumerate(own.unbind(1))))
+
+    def stats(self) -> EngramStats | None:
+        """The tiered store's counters; None for the plain in-memory table, which keeps none."""
+        return self.source.counters()
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted: its hints not read yet are dropped."""
+        self.source.cancel(request_id)
+
+    def check_integrity(self) -> None:
+        """Asserts that the source's tables and row caches are consistent."""
+        self.source.check_integrity()
+
+    def resident_bytes(self) -> int:
+        """Memory the tables and row caches hold (the memory plan counts it with the weights)."""
+        return self.source.resident_bytes()
+
+    def _take_hinted(self) -> dict[int, HashedToken]:
+        """The hinted tokens, for this step only: a later step's slots may hold other sequences."""
+        hinted, self._hinted = self._hinted, {}
+        return hinted
+
+    def _next_row_ids(self, slots: list[int], tokens: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """Row ids [N, layers, columns] of one next token per slot: the hinted ones reused, the rest
+        hashed in one vectorised call."""
+        hinted, contexts = self._take_hinted(), held.tolist()
+        known = [hinted.get(slot) for slot in slots]
+        reused = [i for i, k in enumerate(known) if k is not None and k.fits([int(tokens[i])], contexts[i])]
+        if not reused:
+            return self.hasher.next_row_ids(tokens, held)
+        row_ids = np.empty((len(slots), *known[reused[0]].row_ids.shape), dtype=np.int64)
+        row_ids[reused] = np.stack([known[i].row_ids for i in reused])
+        fresh = sorted(set(range(len(slots))) - set(reused))
+        if fresh:
+            row_ids[fresh] = self.hasher.next_row_ids(tokens[fresh], held[fresh])
+        return row_ids
 
     def _for_source(self, row_ids: torch.Tensor) -> torch.Tensor:
         return row_ids if self.shard is None else self.shard.source_ids(row_ids)

@@ -18,12 +18,12 @@ import torch
 from tokenizers import Tokenizer
 
 from engram_store import InMemoryEngramTable
-from engram_store.build import build_store
+from engram_store.build import RESIDENCIES, build_store
+from engram_store.hashing import NgramHasher, build_compressed_token_map
+from engram_store.spec import EngramSpec
 from engram_store.store import EngramOptions
 from models.config import ConfigError
-from models.config_v41 import EngramSpec
 from models.engram import EngramMemory, EngramShard
-from models.engram_hash import EngramLayout, NgramHasher, build_compressed_token_map
 from models.parallel import SINGLE, TensorParallel
 
 
@@ -49,11 +49,10 @@ def engram_hasher(spec: EngramSpec, tokenizer: Tokenizer) -> NgramHasher:
         )
     if not 0 <= spec.pad_id < len(lookup):
         raise ConfigError(f"engram_pad_id {spec.pad_id} is not a token id of the tokenizer ({len(lookup)} ids)")
-    layout = EngramLayout.build(list(spec.layer_ids), spec.max_ngram, spec.n_heads, spec.prime_search_start)
-    for layer, rows, configured in zip(spec.layer_ids, layout.num_embeddings, spec.num_embeddings):
+    for layer, rows, configured in zip(spec.layer_ids, spec.layout.num_embeddings, spec.num_embeddings):
         if configured and configured != rows:
             raise ConfigError(f"engram_num_embeddings for layer {layer} is {configured}, the layout needs {rows} rows")
-    return NgramHasher(lookup, layout, spec.pad_id)
+    return NgramHasher(lookup, spec.layout, spec.pad_id)
 
 
 def engram_memory(
@@ -88,10 +87,8 @@ def engram_memory(
         return EngramShard(first, end, shifts)
 
     if options is not None:
-        primes = [[p for order in layer for p in order] for layer in layout.primes]
-        store = build_store(spec.layer_ids, layout.num_embeddings, primes, spec.head_dim, directory, read_layer,
-                            options, device)
-        in_memory = [options.residency_of(layer) != "disk" for layer in spec.layer_ids]
+        store = build_store(layout, spec.head_dim, directory, read_layer, options, device)
+        in_memory = [not RESIDENCIES[options.residency_of(layer)].reads_files for layer in spec.layer_ids]
         return EngramMemory(hasher, store, shard(in_memory))
     values, scales = [], []
     for layer in spec.layer_ids:

@@ -15,6 +15,7 @@ from models.attention import Attention
 from models.batch import DecodeBatch, ForwardBatch
 from models.cache import ModelCache
 from models.config import ModelConfig
+from models.engram import EngramMemory
 from models.hyper import HyperConnection, HyperHead, merge_streams
 from models.layers import RMSNorm, logits_into
 from models.moe import MoE
@@ -52,6 +53,8 @@ class Backbone(nn.Module):
 
 
 class DeepseekV4(nn.Module):
+    engram_memory: EngramMemory | None = None  # V4 has no Engram layers (DeepseekV41's loader attaches one)
+
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         """`tp`: this rank's part of a tensor-parallel group (sizes are this rank's shards); every
         rank's forward returns the same full-vocabulary logits."""

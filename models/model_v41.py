@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engram_store import EngramStep
 from models.attention_v41 import SelectionTrace, SharedCompressedAttention
 from models.batch import DecodeBatch, ForwardBatch
 from models.cache import ModelCache
@@ -91,7 +92,7 @@ class DeepseekV41(nn.Module):
         for chunk in batch.chunks:
             assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
             assert chunk.end_position <= cache.capacity(chunk.pages), f"slot {chunk.slot} would pass its pages"
-        engram_row_ids = self._engram_row_ids(batch, cache, trace)
+        engram_step = self._engram_step(batch, cache, trace)
         embedded = self.model.embed_tokens(batch.token_ids)
         hc = self.config.hc_mult
         streams = embedded.unsqueeze(1).expand(-1, hc, -1).contiguous()
@@ -102,7 +103,7 @@ class DeepseekV41(nn.Module):
         for index, layer in enumerate(self.model.layers):
             rows = None
             if index in engram_index:
-                rows = self.engram_memory.rows(engram_index[index], engram_row_ids)
+                rows = self.engram_memory.rows(engram_step, engram_index[index])
             streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
         last = batch.logits_rows
         hidden = self.model.norm(collapse(pre[last], streams[last]))
@@ -131,10 +132,11 @@ class DeepseekV41(nn.Module):
             return []
         if self.engram_memory is None:
             raise RuntimeError("this V4.1 checkpoint has Engram layers but no Engram memory was attached")
-        ids = self.engram_memory.step_row_ids(slots, token_ids, positions, cache.engram_context)
-        return [self.engram_memory.rows(i, ids) for i in range(len(self.config.engram.layer_ids))]
+        step = self.engram_memory.start(self.engram_memory.step_row_ids(slots, token_ids, positions, cache.engram_context))
+        return [self.engram_memory.rows(step, i) for i in range(len(self.config.engram.layer_ids))]
 
-    def _engram_row_ids(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> torch.Tensor | None:
+    def _engram_step(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> EngramStep | None:
+        """The step's Engram reads, started before the first layer runs (None without Engram layers)."""
         if self.config.engram is None:
             return None
         if self.engram_memory is None:
@@ -142,4 +144,4 @@ class DeepseekV41(nn.Module):
         ids = self.engram_memory.row_ids(batch, cache.engram_context)
         if trace is not None:
             trace.engram_row_ids.append(ids)
-        return ids
+        return self.engram_memory.start(ids)

@@ -132,12 +132,17 @@ class EngineClient:
     def ready(self) -> bool:
         return self._engine is not None and self.dead_reason is None
 
+    def validate(self, request: NewRequest) -> None:
+        """Raises RequestRejected for a request the engine would refuse."""
+        assert self._engine is not None, "engine not connected"
+        self._engine.validate(request)
+
     def call(self, requests: Sequence[NewRequest]) -> EngineCall:
         """Validates every request (raises RequestRejected: nothing is sent then) and returns the
         call, not yet started."""
         assert self._engine is not None, "engine not connected"
         for request in requests:
-            self._engine.validate(request)
+            self.validate(request)
         return EngineCall(self, self._engine, requests)
 
     async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from models.engram_hash import EngramLayout, NgramHasher, build_compressed_token_map, hash_multipliers
+from engram_store.hashing import EngramLayout, NgramHasher, build_compressed_token_map, hash_multipliers
 
 GOLDEN = Path(__file__).resolve().parent.parent.parent / "shared" / "golden" / "engram"
 pytestmark = pytest.mark.skipif(not GOLDEN.exists(), reason=f"golden data folder {GOLDEN} is absent")
@@ -111,7 +111,7 @@ def test_fusion_matches_golden(name):
                 row_ids, _ = hasher.row_ids(ids[b].tolist(), mask[b].tolist(), hasher.empty_context())
                 row_ids = torch.from_numpy(row_ids[:, layer["layer_index"]])
                 assert torch.equal(row_ids, expected["hash_ids"][b])
-                rows = table.rows(layer["layer_index"], row_ids)
+                rows = table.rows(table.start({layer["layer_index"]: row_ids}), layer["layer_index"])
                 if "rows" in expected:
                     assert torch.equal(rows, expected["rows"][b])
                 kv, dot, _ = module.gate_terms(hidden[b], rows)

@@ -53,10 +53,15 @@ def test_table_edges_and_duplicates_read_back_exactly(checkpoints, tmp_path):
     disk = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t")).engram_memory
     for index, rows in enumerate(memory.hasher.layout.num_embeddings):
         ids = torch.tensor([[0, rows - 1, 0, rows - 1], [1, rows - 2, rows // 2, 0]])
-        expected = memory.source.rows(index, ids)
-        disk.source.prefetch(torch.stack([ids] * len(memory.hasher.layout.num_embeddings), dim=1))
-        assert torch.equal(disk.source.rows(index, ids), expected)
+        expected = read(memory.source, index, ids)
+        step = disk.source.start(dict.fromkeys(range(len(memory.hasher.layout.num_embeddings)), ids))
+        assert torch.equal(disk.source.rows(step, index), expected)
     assert verify_table(table_file(tmp_path / "t", 1)) == []
+
+
+def read(source, layer_index: int, ids: torch.Tensor) -> torch.Tensor:
+    """One layer's rows of `ids`, in a step of their own."""
+    return source.rows(source.start({layer_index: ids}), layer_index)
 
 
 def test_disk_on_tmpfs_is_refused(checkpoints):
@@ -118,7 +123,7 @@ def test_a_bad_page_fails_only_the_requests_that_need_it(checkpoints, tmp_path, 
     elif fault == "truncated":
         os.truncate(path, bad * PAGE + 1000)
     elif fault == "eio":
-        model.engram_memory.source.reader.inject_error = lambda key: 5 if key == (0, bad) else None  # EIO
+        model.engram_memory.source.tiers["disk"].reader.inject_error = lambda key: 5 if key == (0, bad) else None  # EIO
     else:  # a page of the other layer's file, copied over this one
         other = table_file(tables, model.config.engram.layer_ids[1])
         with open(other, "rb") as src, open(path, "r+b") as dst:
@@ -190,13 +195,14 @@ def test_hints_warm_the_cache_and_aborted_requests_drop_theirs(checkpoints, tmp_
     store = memory.source
     ids, _ = memory.hasher.row_ids(random_tokens(12, seed=4), None, memory.hasher.empty_context())
     ids = torch.from_numpy(ids)
+    disk = store.tiers["disk"]
     store.cancel("gone")
-    store.hint(["gone"], ids)
-    store.hint(["kept"], ids[:6])
-    store._submit(priority=2, reads={}).result()  # the queue has drained
+    store.hint(["gone"], dict(enumerate(ids.unbind(1))))
+    store.hint(["kept"], dict(enumerate(ids[:6].unbind(1))))
+    disk._submit(priority=2, reads={}).result()  # the queue has drained
     kept_pages = sum(len(np.unique(layer.header.page_of(np.unique(ids[:6, k].numpy()))[0]))
                      for k, layer in enumerate(store.layers))
-    assert store.reader.reads == kept_pages  # the aborted request's hint was dropped unread
+    assert disk.reader.reads == kept_pages  # the aborted request's hint was dropped unread
     layer = store.layers[0]
     assert not layer.host_cache.absent(np.unique(ids[:6, 0].numpy())).any()
 
@@ -207,14 +213,15 @@ def test_a_fully_cached_step_is_gathered_in_one_op_from_the_cache(checkpoints, t
     memory = load_model(checkpoints["v41"], engram=EngramOptions(residency="host")).engram_memory
     disk = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t")).engram_memory
     store = disk.source
+    reader = store.tiers["disk"].reader
     for index, rows in enumerate(memory.hasher.layout.num_embeddings):
         ids = torch.tensor([[0, rows - 1, 0, 5], [rows - 1, 3, 5, 0]])
-        expected = memory.source.rows(index, ids)
-        assert torch.equal(store.rows(index, ids), expected)  # cold: read from the file, then cached
-        reads, hits = store.reader.reads, store.stats.rows_host_cache
+        expected = read(memory.source, index, ids)
+        assert torch.equal(read(store, index, ids), expected)  # cold: read from the file, then cached
+        reads, hits = reader.reads, store.stats.rows_host_cache
         assert store.layers[index].gather_hits(ids.numpy().reshape(-1), store.stats) is not None
-        assert torch.equal(store.rows(index, ids), expected)
-        assert store.reader.reads == reads and store.stats.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
+        assert torch.equal(read(store, index, ids), expected)
+        assert reader.reads == reads and store.stats.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
 
 
 
@@ -243,3 +250,91 @@ def test_liburing_is_imported_by_one_process_at_a_time():
             results.get(timeout=5)
     assert results.get(timeout=60) == "ok"
     rank.join()
+
+
+def test_the_residency_registry_holds_the_names_the_config_accepts():
+    """contract/ cannot import the registry, so its Literal repeats the names: they must stay equal."""
+    from typing import get_args
+
+    from contract.config import EngramResidency
+    from engram_store.build import RESIDENCIES, check_residencies
+
+    assert set(RESIDENCIES) == set(get_args(EngramResidency))
+    with pytest.raises(EngramConfigError, match=r"engram\.layers\.4\.residency: 'nvme' is not one of gpu, host, disk"):
+        check_residencies(EngramOptions(layer_residency={4: "nvme"}))
+
+
+def counting_hashes(hasher, monkeypatch) -> list[int]:
+    """Wraps the hasher's two entry points; returns the list every hashed token id is appended to."""
+    hashed: list[int] = []
+    row_ids, next_row_ids = hasher.row_ids, hasher.next_row_ids
+
+    def counted_row_ids(token_ids, live, context):
+        hashed.extend(token_ids)
+        return row_ids(token_ids, live, context)
+
+    def counted_next_row_ids(token_ids, contexts):
+        hashed.extend(np.asarray(token_ids).tolist())
+        return next_row_ids(token_ids, contexts)
+
+    monkeypatch.setattr(hasher, "row_ids", counted_row_ids)
+    monkeypatch.setattr(hasher, "next_row_ids", counted_next_row_ids)
+    return hashed
+
+
+def test_a_decode_token_is_hashed_once_with_a_disk_tier(checkpoints, tmp_path, monkeypatch):
+    """The runner hints each sampled token (hashing it); the step that feeds it reuses those row ids:
+    every prompt token and every sampled token is hashed exactly once, and the tokens are the same."""
+    prompts = {"a": random_tokens(40, seed=5), "b": random_tokens(4, seed=6)}
+    expected, _ = run_requests(load_model(checkpoints["v41"], engram=EngramOptions(residency="host")), prompts)
+    model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t"))
+    hashed = counting_hashes(model.engram_memory.hasher, monkeypatch)
+    tokens, errors = run_requests(model, prompts)
+    assert tokens == expected and not errors
+    assert len(hashed) == sum(map(len, prompts.values())) + sum(map(len, tokens.values()))
+
+
+def test_the_decode_step_reuses_a_hint_only_for_the_token_and_look_back_it_hashed(checkpoints, tmp_path, monkeypatch):
+    model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t"))
+    memory = model.engram_memory
+    cache = ModelCache.allocate(model.config, 2, 64)
+    model(ForwardBatch.build([(0, random_tokens(9, seed=1), 0), (1, random_tokens(5, seed=2), 0)]), cache)
+    context = cache.engram_context
+    expected = torch.from_numpy(memory.hasher.next_row_ids(np.array([7, 8]), context.numpy()))
+    hashed = counting_hashes(memory.hasher, monkeypatch)
+    memory.hint_next(["a", "b"], [0, 1], [7, 11], context)  # b is then fed another token than the hinted one
+    assert torch.equal(memory.step_row_ids([0, 1], [7, 8], [9, 5], context), expected)
+    assert hashed == [7, 11, 8]
+
+
+def test_a_steps_failures_belong_to_that_step_whatever_the_call_order(checkpoints, tmp_path):
+    memory = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t")).engram_memory
+    store = memory.source
+    store.tiers["disk"].reader.inject_error = lambda key: 5 if key == (0, 1) else None  # EIO on layer 0's page 1
+    far = 3 * store.layers[0].header.rows_per_page  # a row of page 4
+    broken = store.start({0: torch.tensor([[0, far], [far, far + 1]])})  # token 0 needs row 0, on page 1
+    clean = store.start({0: torch.tensor([[far + 2, far + 3]])})
+    assert torch.equal(store.rows(clean, 0), read(store, 0, torch.tensor([[far + 2, far + 3]])))  # the later step first
+    store.rows(broken, 0)
+    assert clean.failed == {} and list(broken.failed) == [0] and "page 1" in broken.failed[0]
+    columns = memory.hasher.layout.n_columns
+    step = memory.start(torch.zeros(1, 2, columns, dtype=torch.long))
+    [memory.rows(step, layer) for layer in range(2)]
+    assert list(memory.failed_tokens()) == [0]
+    step = memory.start(torch.full((1, 2, columns), far))
+    [memory.rows(step, layer) for layer in range(2)]
+    assert memory.failed_tokens() == {}  # the later step's own: none
+
+
+def test_check_integrity_holds_after_churn_and_catches_a_corrupted_cache_index(checkpoints, tmp_path):
+    model = load_model(checkpoints["v41"], engram=disk_options(tmp_path / "t"))  # a host cache of ~250 rows a layer
+    run_requests(model, {"a": random_tokens(60, seed=7), "b": random_tokens(30, seed=8), "c": random_tokens(45, seed=9)})
+    memory = model.engram_memory
+    memory.source.tiers["disk"]._submit(priority=2, reads={}).result()  # every hint read
+    cache = memory.source.layers[0].host_cache
+    assert cache.misses > cache.capacity == len(cache)  # full, and more rows came in than fit: evictions
+    memory.check_integrity()
+    rows = list(cache.index)
+    cache.index[rows[0]] = cache.index[rows[1]]  # two rows claim one slot: a lookup would serve the wrong bytes
+    with pytest.raises(AssertionError, match="a slot another row holds"):
+        memory.check_integrity()

@@ -42,3 +42,48 @@ def test_the_engine_spawn_target_imports_only_the_stdlib_zmq_and_contract():
     assert project == {"contract", "engine"}
     assert {m for m in loaded if m.startswith("engine.")} == {"engine.process"}
     assert {m for m in top - project if not m.startswith("_")} <= {"zmq", "orjson", "cython_runtime"}, top - project
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between any two modules of the project (lazy imports included), so every
+    folder and module can be read and tested bottom-up."""
+    import grimp
+
+    graph = grimp.build_graph(*sorted(PROJECT - {"bench"}), exclude_type_checking_imports=True)
+    imports = {m: graph.find_modules_directly_imported_by(m) & graph.modules for m in graph.modules}
+    circles = strongly_connected(imports)
+    assert circles == [], circles
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of two or more modules that import each other, directly or around (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = [stack.pop()]
+            while group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_circle_finder_finds_circles():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": set()}) == []

@@ -19,8 +19,9 @@ from contract import (
     StepResult,
     TokenLogprob,
 )
+from kernels import stable_topk
 from scheduler.scheduler import Scheduler
-from worker.sampler import sample
+from worker.sampler import DrawRow, sample, sample_rows
 
 
 def row(*values: float, vocab: int = 8) -> torch.Tensor:
@@ -161,15 +162,137 @@ def test_eos_and_stop_ids_do_not_end_a_request_before_min_tokens():
 def test_batched_argmax_draws_what_sample_draws():
     """The runner draws plain greedy rows of a step together: same tokens (ties to the lowest id) and
     the same logprobs as one `sample` call per row."""
-    from worker.sampler import argmax_rows, draws_plain_argmax
-
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4))
     logits[2, 17] = logits[2, 40] = logits[2].max() + 1.0  # a tie
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    assert draws_plain_argmax(params, 0)
-    assert not draws_plain_argmax(SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), 0)
-    assert not draws_plain_argmax(SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=0.5), 0)
-    assert not draws_plain_argmax(SamplingParams(temperature=0.7, max_tokens=4), 0)
-    batched = argmax_rows(logits)
+    assert params.plain_at(0)
+    assert not SamplingParams(temperature=0.0, max_tokens=4, logprobs=2).plain_at(0)
+    assert not SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=0.5).plain_at(0)
+    assert not SamplingParams(temperature=0.7, max_tokens=4).plain_at(0)
+    batched = sample_rows(logits, [DrawRow(params, 0)] * 5)
     assert batched[2].token_id == 17
     assert batched == [sample(row, params, 0) for row in logits]
+
+
+def test_plain_at_follows_the_min_tokens_ban_over_draw_indices():
+    params = SamplingParams(temperature=0.0, stop_token_ids=(3,), min_tokens=2)
+    assert [params.plain_at(i) for i in range(3)] == [False, False, True]
+    assert SamplingParams(temperature=0.0, min_tokens=2).plain_at(0)  # nothing to ban
+
+
+# -- the batched sampler against the per-row sampler it replaced ----------------------------------
+
+
+def reference_adjusted(logits, params, draw_index, prompt, output):
+    """The per-row sampler's adjustments as they were before the batched sampler (the reference)."""
+    banning = draw_index < params.min_tokens and bool(params.stop_token_ids)
+    if not (params.logit_bias or banning or params.penalizes_output):
+        return logits
+    logits = logits.clone()
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        logits.index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=logits.dtype))
+    if banning:
+        logits[torch.tensor(params.stop_token_ids)] = float("-inf")
+    if params.penalizes_prompt:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor([*prompt, *output], dtype=torch.long)] = True
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def reference_filtered(logits, params):
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = stable_topk(logits, params.top_k)[0][-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.min_p > 0:
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(logits.softmax(-1), descending=True, stable=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
+        logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
+    return logits
+
+
+def reference_sample(logits, params, draw_index, prompt=(), output=()) -> TokenLogprob:
+    """One row, one draw: the sampler as it was before rows were drawn together."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    adjusted = reference_adjusted(logits, params, draw_index, prompt, output)
+    if params.greedy:
+        token = int(torch.argmax(adjusted))
+    else:
+        generator = torch.Generator()
+        if params.seed is not None:
+            generator.manual_seed((params.seed * 1_000_003 + draw_index) % (1 << 63))
+        else:
+            generator.seed()
+        token = int(torch.multinomial(reference_filtered(adjusted, params).softmax(-1), 1, generator=generator))
+    top = ()
+    if params.logprobs:
+        values, ids = stable_topk(logprobs, params.logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def mixed_rows(count: int, vocab: int, seed: int) -> list[DrawRow]:
+    """Rows of every kind: greedy and seeded sampling, each with a random mix of top-k / top-p / min-p,
+    penalties, logit_bias, logprobs and a min_tokens ban that holds for some draw indices."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=rng))]
+
+    rows = []
+    for i in range(count):
+        output = tuple(torch.randint(vocab, (pick(0, 1, 6),), generator=rng).tolist())
+        params = SamplingParams(
+            temperature=pick(0.0, 0.0, 0.6, 1.0, 1.7),
+            top_k=pick(0, 0, 1, 5, 40), top_p=pick(1.0, 0.9, 0.5), min_p=pick(0.0, 0.0, 0.05, 0.3),
+            seed=100 + i,  # unseeded draws are random: test_unseeded_rows_draw_inside_their_filtered_support
+            presence_penalty=pick(0.0, 0.0, 0.8, -0.5), frequency_penalty=pick(0.0, 0.0, 0.4),
+            repetition_penalty=pick(1.0, 1.0, 1.3, 0.7),
+            logit_bias=pick((), (), ((3, 4.0), (vocab - 1, -2.5)), ((int(output[0]) if output else 0, 9.0),)),
+            stop_token_ids=pick((), (2,), (2, 5)), min_tokens=pick(0, 0, 3),
+            logprobs=pick(None, 0, 3),
+        )
+        history = params.penalizes_output
+        prompt = tuple(torch.randint(vocab, (5,), generator=rng).tolist()) if history and params.penalizes_prompt else ()
+        rows.append(DrawRow(params, pick(0, 2, 7), prompt, output if history else ()))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_sampler_draws_what_the_per_row_sampler_drew(seed):
+    vocab = 97
+    logits = torch.randn(48, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[5, 10] = logits[5, 11] = logits[5].max() + 1.0  # a tie
+    rows = mixed_rows(len(logits), vocab, seed)
+    batched = sample_rows(logits, rows)
+    for got, row, logit_row in zip(batched, rows, logits):
+        want = reference_sample(logit_row, row.params, row.draw_index, row.prompt_token_ids, row.output_token_ids)
+        assert got.token_id == want.token_id, row
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert [lp for _, lp in got.top] == pytest.approx([lp for _, lp in want.top], abs=1e-6)
+    assert sample(logits[7], rows[7].params, rows[7].draw_index, rows[7].prompt_token_ids,
+                  rows[7].output_token_ids) == batched[7]  # a row alone draws what it draws in the batch
+
+
+def test_unseeded_rows_draw_inside_their_filtered_support():
+    vocab = 64
+    logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(9))
+    rows = [DrawRow(replace(row.params, seed=None), row.draw_index, row.prompt_token_ids, row.output_token_ids)
+            for row in mixed_rows(len(logits), vocab, 9)]
+    for got, row, logit_row in zip(sample_rows(logits, rows), rows, logits):
+        adjusted = reference_adjusted(logit_row, row.params, row.draw_index, row.prompt_token_ids, row.output_token_ids)
+        if row.params.greedy:
+            assert got.token_id == int(torch.argmax(adjusted))
+        else:
+            assert reference_filtered(adjusted, row.params)[got.token_id] > float("-inf")
+        assert got.logprob == pytest.approx(torch.log_softmax(logit_row, -1)[got.token_id].item(), abs=1e-6)

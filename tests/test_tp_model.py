@@ -68,7 +68,7 @@ def run_steps(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 def run_job(path: Path, simulate: bool, prompts: list[list[int]], tp: TensorParallel) -> dict:
     """This rank's logits of `prompts` and what it holds: elements per parameter, Engram bytes."""
     model = load_model(path, simulate_quantization=simulate, tp=tp)
-    memory = getattr(model, "engram_memory", None)
+    memory = model.engram_memory
     return {
         "logits": run_steps(model, prompts),
         "numel": {n: p.numel() for n, p in model.named_parameters()},
@@ -242,12 +242,14 @@ def test_a_rank_serves_its_hash_heads_rows_from_every_tier(checkpoints, tmp_path
     batch = ForwardBatch.build([(0, random_tokens(30, seed=5), 0)])
     context = torch.zeros(1, whole.hasher.context_len, dtype=torch.long)
     row_ids = whole.row_ids(batch, context.clone())
+    whole_step = whole.start(row_ids)
     for rank in range(WORLD):
         memory = load_model(checkpoints["v41"], engram=options, tp=TensorParallel(rank, WORLD)).engram_memory
         assert torch.equal(memory.row_ids(batch, context.clone()), row_ids)  # every rank hashes every head
         own = slice(rank * columns // WORLD, (rank + 1) * columns // WORLD)
+        step = memory.start(row_ids)
         for layer in range(row_ids.shape[1]):
-            assert torch.equal(memory.rows(layer, row_ids), whole.rows(layer, row_ids)[:, own])
+            assert torch.equal(memory.rows(step, layer), whole.rows(whole_step, layer)[:, own])
         if residency != "disk":
             assert memory.source.resident_bytes() < 0.55 * whole.source.resident_bytes()
 
@@ -268,7 +270,7 @@ def engram_fault_rank(rank: int, port: int, model_dir: Path, tables: Path, out: 
         tp = TensorParallel.from_default_group()
         model = load_model(model_dir, engram=disk_options(tables), tp=tp)
         if rank == 1:
-            model.engram_memory.source.reader.inject_error = lambda key: 5  # EIO
+            model.engram_memory.source.tiers["disk"].reader.inject_error = lambda key: 5  # EIO
         runner = ModelRunner(model, 1, 64, tp=tp)
         chunk = ScheduledChunk(request_id="a", slot=0, pages=tuple(runner.cache.default_pages(0).tolist()),
                                token_ids=tuple(random_tokens(20, seed=3)), position=0, sample=True,

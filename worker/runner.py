@@ -1,24 +1,65 @@
-"""Model runner: turns a StepPlan into a forward over the flat batch, then samples.
+"""Model runner: one step of one worker, as prepare -> forward -> sample -> report over a StepContext.
+
+- prepare: the prefix cache's state copies, then the step's layout: the chunks to compute, the logit
+  rows each wants, and the step as captured decode-graph rows or as an eager flat batch.
+- forward: graph replay or eager forward; fills each chunk's logits and Engram read failures.
+- sample: every sampling row of the step in one batched draw (worker/sampler.py), and echo logprobs.
+- report: hints the next step's Engram rows, builds the StepResult.
 
 The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
 the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
+
+Multi-token steps (the seam; speculative decoding is a later issue): a chunk may carry
+`draft_token_ids` and its result `accepted` drafts (contract/step.py). This runner refuses a plan
+with drafts (NotImplementedError) rather than verify them, because it cannot undo a rejected draft:
+a forward moves each slot's fixed state (window rings, compressor groups, Engram look-back) past
+every token it computes. The rollback will be the prefix cache's state copies: the scheduler saves a
+drafting request's slot into a snapshot slot in the verifying step's plan (`saves` run before the
+forward); after a rejection the next plan restores that snapshot into the slot and recomputes the
+accepted tokens from there, as a prefix-cache hit resumes today (their pages are rewritten with the
+same entries). Verifying is then: forward token_ids + drafts with a logit row at each draft, draw
+those rows together at draw indices num_generated + j (`sample_rows` takes several rows of one
+request), and accept drafts while each equals the token drawn before it.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from contract import ChunkResult, EngramStats, StepPlan, StepResult
+from contract import (
+    ChunkResult,
+    EngramStats,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from kernels.batch_invariant import BatchInvariantMode
 from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
-from worker.sampler import argmax_rows, draws_plain_argmax, sample, token_logprobs
+from worker.sampler import DrawRow, prompt_logprobs, sample_rows
+
+
+@dataclass
+class StepContext:
+    """One step on its way through the runner: prepare sets the layout, forward fills `logits` and
+    `errors`, sample fills `sampled` and `prompt_logprobs`, report reads them all."""
+
+    plan: StepPlan
+    computed: list[ScheduledChunk]  # chunks with tokens to forward (the others resume a cached state point)
+    logit_rows: list[list[int]]  # per computed chunk: its rows whose logits are wanted
+    graph_rows: list[DecodeRow] | None = None  # the step as decode rows, when a captured graph runs it
+    batch: ForwardBatch | None = None  # otherwise the eager forward's flat batch (neither: nothing to compute)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its wanted rows' logits
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk could not be computed
+    sampled: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -81,89 +122,27 @@ class ModelRunner:
             self.last_logits = torch.zeros(num_slots + snapshot_slots, model.config.vocab_size, device=device)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step: the stages below, in order, over one StepContext."""
+        step = self._prepare(plan)
+        self._forward(step)
+        self._sample(step)
+        return self._report(step)
+
+    # -- prepare ----------------------------------------------------------------------------------
+    def _prepare(self, plan: StepPlan) -> StepContext:
+        """Makes the prefix cache's copies and lays the step out for the forward."""
+        _refuse_drafts(plan)
         self._copy_prefix_state(plan)
-        computed = [chunk for chunk in plan.chunks if chunk.token_ids]  # the rest resume a cached state point
-        logit_rows = [self._rows_wanted(chunk) for chunk in computed]
-        chunk_logits: dict[str, torch.Tensor] = {}
-        failed_chunks: dict[str, str] = {}
+        computed = [chunk for chunk in plan.chunks if chunk.token_ids]
+        step = StepContext(plan, computed, [self._rows_wanted(chunk) for chunk in computed])
         if computed:
             self.cache.hold_hot([(c.pages, c.position + len(c.token_ids)) for c in computed])
-            rows = self._graph_rows(computed)
-            if rows is not None:
-                self._replay(rows, computed, logit_rows, chunk_logits, failed_chunks)
-            else:
-                self._forward(computed, logit_rows, chunk_logits, failed_chunks)
-            self._keep_last_logits(computed, chunk_logits)
-        results = []
-        drawn = self._draw_plain_argmax(plan, chunk_logits, failed_chunks)
-        for chunk in plan.chunks:
-            if chunk.request_id in drawn:
-                results.append(drawn[chunk.request_id])
-            elif chunk.request_id in failed_chunks:
-                results.append(ChunkResult(request_id=chunk.request_id, sampled=None, error=failed_chunks[chunk.request_id]))
-            elif chunk.token_ids:
-                results.append(self._chunk_result(chunk, chunk_logits[chunk.request_id]))
-            else:
-                results.append(self._chunk_result(chunk, self.last_logits[chunk.slot : chunk.slot + 1]))
-        self._hint_next_rows(plan, results)
-        return StepResult(chunks=tuple(results))
-
-    def _graph_rows(self, computed: list) -> list[DecodeRow] | None:
-        """The step as decode rows when a captured graph can run it (one token per chunk, a bucket
-        that holds it), else None."""
-        if self.graphs is None or any(len(c.token_ids) != 1 for c in computed):
-            return None
-        rows = [DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed]
-        return rows if self.graphs.fits(rows) else None
-
-    def _replay(self, rows: list[DecodeRow], computed: list, logit_rows: list[list[int]], chunk_logits: dict,
-                failed_chunks: dict) -> None:
-        """The decode graph over the step; fills each chunk's logits and Engram errors, as `_forward`."""
-        logits = self.graphs.run(rows)
-        failed = self._engram_failures(len(rows))
-        for index, (chunk, wanted) in enumerate(zip(computed, logit_rows)):
-            chunk_logits[chunk.request_id] = logits[index : index + len(wanted)]
-            if index in failed:
-                failed_chunks[chunk.request_id] = failed[index]
-
-    def _forward(self, computed: list, logit_rows: list[list[int]], chunk_logits: dict, failed_chunks: dict) -> None:
-        """The eager forward over the flat batch of chunks; fills each chunk's logits and Engram errors."""
-        batch = ForwardBatch.build(
-            [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=logit_rows
-        )
-        n_rows = sum(len(rows) for rows in logit_rows)
-        out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
-        with BatchInvariantMode() if self.deterministic else nullcontext():
-            logits = self.model(batch, self.cache, out=out)
-        failed = self._engram_failures(batch.token_ids.shape[0])
-        offset = 0
-        for chunk, rows, batch_chunk in zip(computed, logit_rows, batch.chunks):
-            chunk_logits[chunk.request_id] = logits[offset : offset + len(rows)]
-            offset += len(rows)
-            span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
-            error = next((failed[r] for r in span if r in failed), None)
-            if error is not None:
-                failed_chunks[chunk.request_id] = error
-
-    @staticmethod
-    def _draw_plain_argmax(plan: StepPlan, chunk_logits: dict, failed_chunks: dict) -> dict[str, ChunkResult]:
-        """The results of computed chunks that only draw a plain greedy token (the common decode row),
-        drawn in one batch."""
-        plain = [c for c in plan.chunks if c.token_ids and c.sample and not c.logprob_targets
-                 and c.request_id not in failed_chunks and draws_plain_argmax(c.params, c.num_generated)]
-        if not plain:
-            return {}
-        rows = torch.stack([chunk_logits[c.request_id][-1] for c in plain])
-        return {c.request_id: ChunkResult(request_id=c.request_id, sampled=token)
-                for c, token in zip(plain, argmax_rows(rows))}
-
-    def _keep_last_logits(self, computed: list, chunk_logits: dict[str, torch.Tensor]) -> None:
-        if self.last_logits is None:
-            return
-        sampling = [c for c in computed if c.sample]
-        if sampling:
-            slots = torch.tensor([c.slot for c in sampling], device=self.last_logits.device)
-            self.last_logits[slots] = torch.stack([chunk_logits[c.request_id][-1] for c in sampling])
+            step.graph_rows = self._graph_rows(computed)
+            if step.graph_rows is None:
+                step.batch = ForwardBatch.build(
+                    [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=step.logit_rows
+                )
+        return step
 
     def _copy_prefix_state(self, plan: StepPlan) -> None:
         """Snapshots first (they read slots as the last step left them), then restores, then pages."""
@@ -174,11 +153,103 @@ class ModelRunner:
                 self.last_logits[targets] = self.last_logits[sources]
         self.cache.copy_pages([s for s, _ in plan.page_copies], [t for _, t in plan.page_copies])
 
+    def _graph_rows(self, computed: list[ScheduledChunk]) -> list[DecodeRow] | None:
+        """The step as decode rows when a captured graph can run it (one token per chunk, a bucket
+        that holds it), else None."""
+        if self.graphs is None or any(len(c.token_ids) != 1 for c in computed):
+            return None
+        rows = [DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed]
+        return rows if self.graphs.fits(rows) else None
+
+    @staticmethod
+    def _rows_wanted(chunk: ScheduledChunk) -> list[int]:
+        """The chunk's rows whose logits are kept: one per echo target, and the last if it samples."""
+        rows = list(range(len(chunk.logprob_targets)))
+        if chunk.sample and (not rows or rows[-1] != len(chunk.token_ids) - 1):
+            rows.append(len(chunk.token_ids) - 1)
+        return rows
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _forward(self, step: StepContext) -> None:
+        if step.graph_rows is not None:
+            self._replay(step)
+        elif step.batch is not None:
+            self._forward_eager(step)
+        self._keep_last_logits(step)
+
+    def _replay(self, step: StepContext) -> None:
+        """The decode graph over the step: one logits row per chunk (if it wants one)."""
+        logits = self.graphs.run(step.graph_rows)
+        failed = self._engram_failures(len(step.graph_rows))
+        for index, (chunk, wanted) in enumerate(zip(step.computed, step.logit_rows)):
+            step.logits[chunk.request_id] = logits[index : index + len(wanted)]
+            if index in failed:
+                step.errors[chunk.request_id] = failed[index]
+
+    def _forward_eager(self, step: StepContext) -> None:
+        """The eager forward over the flat batch, into the runner's logits buffer when it holds the rows."""
+        batch = step.batch
+        n_rows = sum(len(rows) for rows in step.logit_rows)
+        out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
+        with BatchInvariantMode() if self.deterministic else nullcontext():
+            logits = self.model(batch, self.cache, out=out)
+        failed = self._engram_failures(batch.token_ids.shape[0])
+        offset = 0
+        for chunk, rows, batch_chunk in zip(step.computed, step.logit_rows, batch.chunks):
+            step.logits[chunk.request_id] = logits[offset : offset + len(rows)]
+            offset += len(rows)
+            span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+            error = next((failed[r] for r in span if r in failed), None)
+            if error is not None:
+                step.errors[chunk.request_id] = error
+
+    def _keep_last_logits(self, step: StepContext) -> None:
+        """With a prefix cache, each sampling slot's last logits are part of its state (see __init__)."""
+        if self.last_logits is None:
+            return
+        sampling = [c for c in step.computed if c.sample]
+        if sampling:
+            slots = torch.tensor([c.slot for c in sampling], device=self.last_logits.device)
+            self.last_logits[slots] = torch.stack([step.logits[c.request_id][-1] for c in sampling])
+
+    # -- sample -----------------------------------------------------------------------------------
+    def _sample(self, step: StepContext) -> None:
+        """Every sampling chunk's draw in one batch, then the echo logprobs of the chunks that ask."""
+        drawing = [c for c in step.plan.chunks if c.sample and c.request_id not in step.errors]
+        if drawing:
+            logits = torch.stack([self._sampling_logits(step, chunk) for chunk in drawing])
+            rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids) for c in drawing]
+            step.sampled = {c.request_id: token for c, token in zip(drawing, sample_rows(logits, rows))}
+        for chunk in step.computed:
+            if chunk.logprob_targets and chunk.request_id not in step.errors:
+                step.prompt_logprobs[chunk.request_id] = prompt_logprobs(
+                    step.logits[chunk.request_id], chunk.logprob_targets, chunk.params.prompt_logprobs
+                )
+
+    def _sampling_logits(self, step: StepContext, chunk: ScheduledChunk) -> torch.Tensor:
+        """The row a chunk draws from: its last computed row, or (whole prompt cached) its slot's kept one."""
+        return step.logits[chunk.request_id][-1] if chunk.token_ids else self.last_logits[chunk.slot]
+
+    # -- report -----------------------------------------------------------------------------------
+    def _report(self, step: StepContext) -> StepResult:
+        results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
+        self._hint_next_rows(step.plan, results)
+        return StepResult(chunks=tuple(results))
+
+    @staticmethod
+    def _chunk_result(step: StepContext, chunk: ScheduledChunk) -> ChunkResult:
+        request_id = chunk.request_id
+        if request_id in step.errors:
+            return ChunkResult(request_id=request_id, sampled=None, error=step.errors[request_id])
+        return ChunkResult(request_id=request_id, sampled=step.sampled.get(request_id),
+                           prompt_logprobs=step.prompt_logprobs.get(request_id, ()))
+
+    # -- Engram -------------------------------------------------------------------------------------
     def _engram_failures(self, num_tokens: int) -> dict[int, str]:
         """Tokens (flat batch rows) whose Engram rows could not be read. Each rank reads only its
         heads' rows, so with several ranks the flags are summed over the group: every rank then fails
         the same requests, whichever rank's read broke."""
-        memory = getattr(self.model, "engram_memory", None)
+        memory = self.model.engram_memory
         if memory is None:
             return {}
         failed = memory.failed_tokens()
@@ -191,30 +262,25 @@ class ModelRunner:
 
     def _hint_next_rows(self, plan: StepPlan, results: list[ChunkResult]) -> None:
         """Sampled tokens are the next step's inputs: their Engram rows can be read now."""
-        memory = getattr(self.model, "engram_memory", None)
-        source = getattr(memory, "source", None)
-        if not getattr(source, "reads_disk", False):  # every row resident: nothing to read ahead
+        memory = self.model.engram_memory
+        if memory is None or not memory.reads_ahead:  # every row resident: nothing to read ahead
             return
         sampled = [(chunk, result.sampled.token_id) for chunk, result in zip(plan.chunks, results) if result.sampled]
-        if not sampled:
-            return
-        slots = torch.tensor([chunk.slot for chunk, _ in sampled])
-        contexts = self.cache.engram_context[slots.to(self.cache.engram_context.device)].cpu().numpy()
-        ids = memory.next_row_ids(np.array([token for _, token in sampled]), contexts)  # this rank's rows
-        source.hint([chunk.request_id for chunk, _ in sampled], ids)  # one hint a step
+        if sampled:  # one hint a step
+            memory.hint_next([chunk.request_id for chunk, _ in sampled], [chunk.slot for chunk, _ in sampled],
+                             [token for _, token in sampled], self.cache.engram_context)
 
     # -- the rest of the ModelExecutor protocol (contract/executor.py) ------------------------------
     def engram_stats(self) -> EngramStats | None:
         """The Engram store's counters (None without a tiered store)."""
-        stats = getattr(getattr(getattr(self.model, "engram_memory", None), "source", None), "stats", None)
-        return None if stats is None else stats.snapshot()
+        memory = self.model.engram_memory
+        return None if memory is None else memory.stats()
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: its pending Engram prefetches are dropped."""
-        memory = getattr(self.model, "engram_memory", None)
-        cancel = getattr(getattr(memory, "source", None), "cancel", None)
-        if cancel is not None:
-            cancel(request_id)
+        memory = self.model.engram_memory
+        if memory is not None:
+            memory.cancel(request_id)
 
     def maintain(self) -> None:
         """One runner has nothing to repair between steps."""
@@ -225,19 +291,11 @@ class ModelRunner:
     def close(self) -> None:
         """The runner starts no processes; its memory goes with it."""
 
-    @staticmethod
-    def _rows_wanted(chunk) -> list[int]:
-        rows = list(range(len(chunk.logprob_targets)))
-        if chunk.sample and (not rows or rows[-1] != len(chunk.token_ids) - 1):
-            rows.append(len(chunk.token_ids) - 1)
-        return rows
 
-    @staticmethod
-    def _chunk_result(chunk, logits: torch.Tensor) -> ChunkResult:
-        top_n = chunk.params.prompt_logprobs
-        prompt = tuple(
-            token_logprobs(torch.log_softmax(logits[i], -1), target, top_n)
-            for i, target in enumerate(chunk.logprob_targets)
+def _refuse_drafts(plan: StepPlan) -> None:
+    """A plan with draft tokens needs the rollback described in the module docstring, not built yet."""
+    drafting = [chunk.request_id for chunk in plan.chunks if chunk.draft_token_ids]
+    if drafting:
+        raise NotImplementedError(
+            f"speculative decoding is not implemented: the chunks of {drafting} carry draft tokens to verify"
         )
-        sampled = sample(logits[-1], chunk.params, chunk.num_generated, chunk.prompt_token_ids, chunk.output_token_ids) if chunk.sample else None
-        return ChunkResult(request_id=chunk.request_id, sampled=sampled, prompt_logprobs=prompt)

@@ -1,20 +1,48 @@
-"""Token sampling and logprobs from one step's logits.
+"""Token sampling and logprobs from one step's logits, all the step's sampling rows at once.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as vLLM and
 OpenAI report them: logit_bias, the min_tokens ban and the presence / frequency / repetition
 penalties change only what is drawn (greedy's argmax included), as temperature / top-k / top-p /
 min-p do. Greedy takes the argmax (lowest id among equal maxima). A seeded request draws from its own
-generator, keyed by seed and output index, so its tokens do not depend on what else shares the batch.
+generator, keyed by seed and draw index, so its tokens do not depend on what else shares the batch.
+
+`sample_rows` draws a step's rows together: each parameter becomes one tensor across the rows that
+use it (biases, bans, penalties, temperature, top-k, min-p, top-p), so a step costs a fixed number
+of kernels and host reads whatever its batch. A step whose rows are all plain
+(`SamplingParams.plain_at`: greedy, nothing reshapes the logits, no top logprobs: the common decode
+step) takes one argmax and nothing else. Two things stay per row, both so that a row's token depends
+on that row alone:
+- a seeded row's draw, from its own generator; unseeded rows draw together from one generator.
+- top-p's cumulative sum: CUDA scans a lone row with another algorithm than the rows of a batch (a
+  different rounding), so one scan over the batch would make a seeded row's nucleus depend on it.
+Every other step is exact per element or reduces within a row, so each row comes out bitwise as
+`sample` gives it alone (tests/test_sampling.py checks it against the per-row reference).
+
+Rows are independent draws with their own draw index, so a multi-token step (drafts to verify, a
+later issue) can put several rows of one request into one call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from contract import SamplingParams, TokenLogprob
 from kernels import stable_topk
+
+
+@dataclass(frozen=True)
+class DrawRow:
+    """One row to draw: its params, its draw index (output tokens before this draw: it keys a seeded
+    generator and the min_tokens ban) and the token histories its penalties read (empty unless
+    `params` penalizes: the scheduler fills them only then)."""
+
+    params: SamplingParams
+    draw_index: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprob:
@@ -26,65 +54,9 @@ def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int | None) -> 
     return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)
 
 
-def _adjusted(
-    logits: torch.Tensor, params: SamplingParams, draw_index: int,
-    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-) -> torch.Tensor:
-    """The logits the draw uses, in vLLM's order: logit_bias, the min_tokens ban, then penalties.
-
-    Frequency / presence count only generated tokens; the repetition penalty covers prompt + output.
-    Returns `logits` itself when nothing applies (plain requests pay nothing)."""
-    banning = draw_index < params.min_tokens and bool(params.stop_token_ids)
-    if not (params.logit_bias or banning or params.penalizes_output):
-        return logits
-    logits = logits.clone()
-    device = logits.device
-    if params.logit_bias:
-        ids, biases = zip(*params.logit_bias)
-        logits.index_add_(0, torch.tensor(ids, device=device), torch.tensor(biases, dtype=logits.dtype, device=device))
-    if banning:
-        logits[torch.tensor(params.stop_token_ids, device=device)] = float("-inf")
-    if params.penalizes_prompt:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[torch.tensor([*prompt_token_ids, *output_token_ids], dtype=torch.long, device=device)] = True
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if output_token_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(output_token_ids, device=device), minlength=logits.shape[-1])
-        counts = counts.to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
-def draws_plain_argmax(params: SamplingParams, draw_index: int) -> bool:
-    """Greedy with nothing that reshapes the draw and no top logprobs: such rows of a step are drawn
-    together by `argmax_rows` (one device sync for the batch instead of two per row)."""
-    banning = draw_index < params.min_tokens and bool(params.stop_token_ids)
-    return params.greedy and not (params.logit_bias or banning or params.penalizes_output or params.logprobs)
-
-
-def argmax_rows(logits: torch.Tensor) -> list[TokenLogprob]:
-    """logits [n, vocab] float32 -> each row's argmax (lowest id among equal maxima) with its logprob;
-    the same tokens and logprobs as `sample` gives each row of a plain greedy request."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens.tolist(), chosen.tolist())]
-
-
-def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = stable_topk(logits, params.top_k)[0][-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.min_p > 0:
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(logits.softmax(-1), descending=True, stable=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-        logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
-    return logits
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top_n: int | None) -> tuple[TokenLogprob, ...]:
+    """logits [>= len(targets), vocab]: row i's logprob of targets[i] (echo: the prompt token after it)."""
+    return tuple(token_logprobs(torch.log_softmax(logits[i], -1), target, top_n) for i, target in enumerate(targets))
 
 
 def sample(
@@ -92,18 +64,155 @@ def sample(
     prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = (),
 ) -> TokenLogprob:
     """logits: [vocab] float32 row for one sequence; draw_index: output tokens so far. The token
-    histories are needed only when `params` has penalties (the scheduler fills them only then); the
-    returned logprobs are the raw logits' log-softmax whatever shaped the draw."""
+    histories are needed only when `params` has penalties; the returned logprobs are the raw logits'
+    log-softmax whatever shaped the draw."""
+    return sample_rows(logits[None], [DrawRow(params, draw_index, prompt_token_ids, output_token_ids)])[0]
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob]:
+    """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    adjusted = _adjusted(logits, params, draw_index, prompt_token_ids, output_token_ids)
-    if params.greedy:
-        token = int(torch.argmax(adjusted))
+    if all(row.params.plain_at(row.draw_index) for row in rows):
+        tokens = torch.argmax(logits, dim=-1)
     else:
-        generator = torch.Generator(device=logits.device)
-        if params.seed is not None:
-            generator.manual_seed((params.seed * 1_000_003 + draw_index) % (1 << 63))  # any seed fits the generator
-        else:
+        tokens = _draw(_adjusted(logits, rows), rows)
+    return _reported(logprobs, tokens, rows)
+
+
+def _adjusted(logits: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
+    """The logits the draws use, in vLLM's order: logit_bias, the min_tokens ban, then penalties.
+    Each touches only the rows that ask for it; the others keep their logits bit for bit."""
+    logits = logits.clone()
+    _add_bias(logits, rows)
+    _ban(logits, rows)
+    _penalize_repeats(logits, rows)
+    _penalize_counts(logits, rows)
+    return logits
+
+
+def _add_bias(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    entries = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
+    if entries:
+        index, tokens, biases = zip(*entries)
+        logits.index_put_(_at(logits, index, tokens), _floats(logits, biases), accumulate=True)
+
+
+def _ban(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    entries = [(i, token) for i, row in enumerate(rows) for token in row.params.banned_at(row.draw_index)]
+    if entries:
+        index, tokens = zip(*entries)
+        logits[_at(logits, index, tokens)] = float("-inf")
+
+
+def _penalize_repeats(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    """The repetition penalty over prompt + output tokens: positive logits divided, negative multiplied."""
+    index = [i for i, row in enumerate(rows) if row.params.penalizes_prompt]
+    if not index:
+        return
+    seen_at = [(j, t) for j, i in enumerate(index) for t in (*rows[i].prompt_token_ids, *rows[i].output_token_ids)]
+    picked = logits[index]
+    seen = torch.zeros_like(picked, dtype=torch.bool)
+    if seen_at:
+        seen[_at(logits, *zip(*seen_at))] = True
+    penalty = _floats(logits, [rows[i].params.repetition_penalty for i in index])[:, None]
+    penalized = torch.where(picked > 0, picked / penalty, picked * penalty)
+    logits[index] = torch.where(seen, penalized, picked)
+
+
+def _penalize_counts(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    """Frequency (per occurrence) and presence (once) penalties over the generated tokens only."""
+    index = [i for i, row in enumerate(rows)
+             if row.output_token_ids and (row.params.frequency_penalty or row.params.presence_penalty)]
+    if not index:
+        return
+    seen_at = [(j, t) for j, i in enumerate(index) for t in rows[i].output_token_ids]
+    counts = torch.zeros(len(index), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    counts.index_put_(_at(logits, *zip(*seen_at)), torch.ones(len(seen_at), dtype=logits.dtype, device=logits.device),
+                      accumulate=True)
+    frequency = _floats(logits, [rows[i].params.frequency_penalty for i in index])[:, None]
+    presence = _floats(logits, [rows[i].params.presence_penalty for i in index])[:, None]
+    logits[index] = logits[index] - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+
+
+def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
+    """Each row's token: greedy rows the argmax, the others a draw from their filtered distribution."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=adjusted.device)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if greedy:
+        tokens[greedy] = torch.argmax(adjusted[greedy], dim=-1)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        probs = _filtered(adjusted[drawn], [rows[i].params for i in drawn]).softmax(-1)
+        unseeded = []
+        for j, i in enumerate(drawn):
+            params = rows[i].params
+            if params.seed is None:
+                unseeded.append(j)
+            else:
+                generator = _seeded(probs.device, params.seed, rows[i].draw_index)
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
+        if unseeded:
+            generator = torch.Generator(device=probs.device)
             generator.seed()
-        probs = _filtered(adjusted, params).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    return token_logprobs(logprobs, token, params.logprobs)
+            tokens[[drawn[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1, generator=generator)[:, 0]
+    return tokens
+
+
+def _seeded(device: torch.device, seed: int, draw_index: int) -> torch.Generator:
+    """The generator of one seeded draw: keyed by (seed, draw index), so the draw is the same whatever
+    came before it in this process or shares its step."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + draw_index) % (1 << 63))  # any seed fits the generator
+    return generator
+
+
+def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p, each over the rows that set it."""
+    logits = logits / _floats(logits, [p.temperature for p in params])[:, None]
+    vocab = logits.shape[-1]
+    top_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+    if top_k:
+        picked = logits[top_k]
+        ranks = torch.tensor([params[j].top_k - 1 for j in top_k], device=logits.device)[:, None]
+        kth = torch.sort(picked, dim=-1, descending=True).values.gather(1, ranks)
+        logits[top_k] = picked.masked_fill(picked < kth, float("-inf"))
+    min_p = [j for j, p in enumerate(params) if p.min_p > 0]
+    if min_p:
+        picked = logits[min_p]
+        probs = picked.softmax(-1)
+        floor = _floats(logits, [params[j].min_p for j in min_p])[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits[min_p] = picked.masked_fill(probs < floor, float("-inf"))
+    top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if top_p:
+        picked = logits[top_p]
+        sorted_probs, order = torch.sort(picked.softmax(-1), dim=-1, descending=True, stable=True)
+        before = torch.stack([row.cumsum(-1) for row in sorted_probs]) - sorted_probs  # per row: see the docstring
+        outside = before > _floats(logits, [params[j].top_p for j in top_p])[:, None]
+        logits[top_p] = picked.masked_fill(torch.zeros_like(outside).scatter(1, order, outside), float("-inf"))
+    return logits
+
+
+def _reported(logprobs: torch.Tensor, tokens: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob]:
+    """Each row's token with its raw logprob and, where asked, its top-N: three host reads a step."""
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
+    tops: dict[int, tuple[tuple[int, float], ...]] = {}
+    if wanted:
+        n = max(rows[i].params.logprobs for i in wanted)
+        values, ids = stable_topk(logprobs[wanted], n)
+        for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
+            top_n = rows[i].params.logprobs
+            tops[i] = tuple(zip(row_ids[:top_n], row_values[:top_n]))
+    return [TokenLogprob(token_id=token, logprob=logprob, top=tops.get(i, ()))
+            for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist()))]
+
+
+def _at(like: torch.Tensor, rows: Sequence[int], columns: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors on `like`'s device."""
+    return (torch.tensor(rows, dtype=torch.long, device=like.device),
+            torch.tensor(columns, dtype=torch.long, device=like.device))
+
+
+def _floats(like: torch.Tensor, values: Sequence[float]) -> torch.Tensor:
+    """One parameter across rows, in `like`'s dtype: the value each row's scalar would have become."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)

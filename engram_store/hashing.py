@@ -12,6 +12,8 @@ store prefetches with them). The pieces, in order:
    passes the sequence start or a dead position, and stays blocked for larger k.
 Decode carries the last N-1 compressed ids of each sequence, so hashing one token at a time equals
 hashing the whole sequence.
+Here rather than in models/: the store builder, the table converter and `plan` need the layout, and
+engram_store/ imports no model code.
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ class NgramHasher:
         back = history[:, ::-1]  # k = 0 is the token itself
         blocked = np.cumsum(back == DEAD, axis=1) > 0
         return self._hash(np.where(blocked, self.pad, back))
+
+    def advance(self, contexts: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        """The carried contexts [N, N-1] (oldest first) after one more token each."""
+        return np.concatenate([contexts, self.lookup[token_ids][:, None]], axis=1)[:, 1:]
 
     def _hash(self, tokens: np.ndarray) -> np.ndarray:
         """[T, N] compressed look-back (k = 0 current, blocking applied) -> [T, L, cols] row ids."""
