@@ -80,9 +80,9 @@ class EngineCall:
                     raise output
                 if index not in self._open:  # what a request ended at a stop string still had in flight
                     continue
+                self._observers[index].output(output)
                 if output.finished:
                     self._end(index, finished=True)
-                self._observers[index].output(output)
                 yield index, output
         finally:
             self.close()
