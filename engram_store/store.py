@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -60,36 +60,36 @@ class EngramOptions:
         return {self.residency, *self.layer_residency.values()}
 
 
-@dataclass
 class StoreStats:
-    """Counters since start (served rows per tier, reads) and how long Engram layers waited for rows."""
+    """The store's counters as one contract.EngramStats (frozen: each count replaces it, under a lock,
+    since the model's thread and the I/O thread both count), plus the recent waits a bench reads."""
 
-    rows_resident: int = 0
-    rows_device_cache: int = 0
-    rows_host_cache: int = 0
-    rows_disk: int = 0
-    bytes_read: int = 0
-    read_errors: int = 0
-    wait_count: int = 0
-    wait_sum_s: float = 0.0
-    wait_buckets: list[int] = field(default_factory=lambda: [0] * len(PREFETCH_WAIT_BUCKETS))  # cumulative
-    recent_waits_s: deque = field(default_factory=lambda: deque(maxlen=1 << 16))  # for percentiles (bench)
+    def __init__(self) -> None:
+        self.current = EngramStats()
+        self.recent_waits_s: deque[float] = deque(maxlen=1 << 16)  # for percentiles (bench)
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        """Adds to the named counters (EngramStats' field names)."""
+        with self._lock:
+            now = self.current
+            self.current = replace(now, **{name: getattr(now, name) + n for name, n in counts.items()})
+
+    def set_reads(self, bytes_read: int, read_errors: int) -> None:
+        """The reader's own totals, since start."""
+        with self._lock:
+            self.current = replace(self.current, bytes_read=bytes_read, read_errors=read_errors)
 
     def record_wait(self, seconds: float) -> None:
-        self.wait_count += 1
-        self.wait_sum_s += seconds
-        for i, edge in enumerate(PREFETCH_WAIT_BUCKETS):
-            if seconds <= edge:
-                self.wait_buckets[i] += 1
+        with self._lock:
+            now = self.current
+            buckets = tuple(count + (seconds <= edge) for count, edge in zip(now.wait_buckets, PREFETCH_WAIT_BUCKETS))
+            self.current = replace(now, wait_count=now.wait_count + 1, wait_sum_s=now.wait_sum_s + seconds,
+                                   wait_buckets=buckets)
         self.recent_waits_s.append(seconds)
 
     def snapshot(self) -> EngramStats:
-        return EngramStats(
-            rows_resident=self.rows_resident, rows_device_cache=self.rows_device_cache,
-            rows_host_cache=self.rows_host_cache, rows_disk=self.rows_disk, bytes_read=self.bytes_read,
-            read_errors=self.read_errors, wait_count=self.wait_count, wait_sum_s=self.wait_sum_s,
-            wait_buckets=tuple(self.wait_buckets),
-        )
+        return self.current
 
 
 class ResidentLayer:
@@ -133,7 +133,7 @@ class DiskLayer:
                     target = torch.from_numpy(wanted[hit]).to(self.device)
                     raw[target] = cache.view[torch.from_numpy(slots).to(cache.view.device)].to(self.device)
                 missing[wanted[hit]] = False
-                setattr(stats, counter, getattr(stats, counter) + int(hit.sum()))
+                stats.add(**{counter: int(hit.sum())})
             self._gathered()
         return raw, missing
 
@@ -157,7 +157,7 @@ class DiskLayer:
                 slot_ids = torch.from_numpy(slots).to(cache.view.device)
                 values = cache.view[:, : h.value_bytes].view(torch.float8_e4m3fn)
                 rows = gather_engram_rows(values, cache.view[:, h.value_bytes :], slot_ids).to(self.device)
-                setattr(stats, counter, getattr(stats, counter) + cache.hits - hits_before)
+                stats.add(**{counter: cache.hits - hits_before})
                 self._gathered()
                 return rows
         return None
@@ -199,7 +199,7 @@ class DiskLayer:
         loaded = page_ok[page_index]
         failed = {int(row): f"Engram layer {h.layer_id} row {int(row)} (page {int(page)}): {bad[int(index)]}"
                   for row, page, index in zip(rows[~loaded], page_numbers[~loaded], page_index[~loaded])}
-        stats.rows_disk += int(loaded.sum())
+        stats.add(rows_disk=int(loaded.sum()))
         if loaded.any():
             with self.lock:
                 if self.reads_done is not None:
@@ -273,7 +273,7 @@ class ResidentTier:
 
     def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
         ids = step.row_ids[layer_index]
-        self.stats.rows_resident += ids.numel()
+        self.stats.add(rows_resident=ids.numel())
         return self.layers[layer_index].rows(ids)
 
     def hint(self, request_ids: tuple[str, ...], row_ids: Mapping[int, torch.Tensor]) -> None:
@@ -449,7 +449,7 @@ class DiskTier:
         keys_of = {index: layers[index].page_keys(rows) for index, rows in reads.items()}
         keys = [key for layer_keys in keys_of.values() for key in layer_keys]
         pages, bad = self.reader.read_pages(keys, lambda key, page: check_page(page, key[1], table_of_file[key[0]]))
-        self.stats.bytes_read, self.stats.read_errors = self.reader.bytes_read, self.reader.errors
+        self.stats.set_reads(self.reader.bytes_read, self.reader.errors)
         result, start = {}, 0
         for index, rows in reads.items():
             end = start + len(keys_of[index])

@@ -26,7 +26,7 @@ def indexer_scores_reference(
 ) -> torch.Tensor:
     """q [B, H, D] float32 (roped), weights [B, H] float32, store [pages, per_page, D] (a tensor, or a
     packed store whose `.pages(tables)` unpacks), tables [B, P], visible [B] -> float32 scores [B, P * per_page]."""
-    keys = (store.pages(tables) if hasattr(store, "pages") else store[tables]).flatten(1, 2).float()
+    keys = (store[tables] if isinstance(store, torch.Tensor) else store.pages(tables)).flatten(1, 2).float()
     scores = torch.relu(torch.einsum("bhd,bed->bhe", q, keys)) * q.shape[-1] ** -0.5
     seen = torch.arange(keys.shape[1], device=q.device)[None, :] < visible[:, None]
     return (scores * weights[..., None]).sum(dim=1).masked_fill(~seen, float("-inf"))

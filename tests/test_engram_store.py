@@ -45,7 +45,7 @@ def test_every_tier_gives_the_same_logits(checkpoints, tmp_path):
         warm = logits(model, prompts)
         assert torch.equal(cold, reference) and torch.equal(warm, reference), options
     store = model.engram_memory.source
-    assert store.stats.rows_disk > 0 and store.stats.rows_host_cache > 0
+    assert store.stats.current.rows_disk > 0 and store.stats.current.rows_host_cache > 0
 
 
 def test_table_edges_and_duplicates_read_back_exactly(checkpoints, tmp_path):
@@ -134,7 +134,7 @@ def test_a_bad_page_fails_only_the_requests_that_need_it(checkpoints, tmp_path, 
     tokens, errors = run_requests(model, prompts)
     assert set(errors) == {"a"} and f"page {bad}" in errors["a"]
     assert tokens["b"] == expected["b"]
-    assert model.engram_memory.source.stats.read_errors >= 1
+    assert model.engram_memory.source.stats.current.read_errors >= 1
 
 
 def test_reaping_at_queue_depth_64_over_100k_reads(tmp_path):
@@ -218,10 +218,10 @@ def test_a_fully_cached_step_is_gathered_in_one_op_from_the_cache(checkpoints, t
         ids = torch.tensor([[0, rows - 1, 0, 5], [rows - 1, 3, 5, 0]])
         expected = read(memory.source, index, ids)
         assert torch.equal(read(store, index, ids), expected)  # cold: read from the file, then cached
-        reads, hits = reader.reads, store.stats.rows_host_cache
+        reads, hits = reader.reads, store.stats.current.rows_host_cache
         assert store.layers[index].gather_hits(ids.numpy().reshape(-1), store.stats) is not None
         assert torch.equal(read(store, index, ids), expected)
-        assert reader.reads == reads and store.stats.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
+        assert reader.reads == reads and store.stats.current.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
 
 
 

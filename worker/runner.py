@@ -86,8 +86,8 @@ class ModelRunner:
         step batch-invariant (kernels/batch_invariant.py): bitwise the same outputs whatever shares it.
         `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots.
         `tp`: the model's tensor-parallel group (Engram read failures are combined over it).
-        `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) where the model has a
-        decode path (V4, V4.1), the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
+        `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) of the model's decode
+        path (V4 and V4.1 have one) where the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
         then has one more slot and page (scratch). `kv_cache_dtype`: "fp4" packs V4.1's paged entries
         (models/packed_pages.py). `kv_hot_tokens`: those entries live in a host tier, with each running
@@ -96,8 +96,8 @@ class ModelRunner:
         self.tp = tp
         self.deterministic = deterministic
         dtype = model.lm_head.weight.dtype
-        graphs = (cuda_graphs and str(device).startswith("cuda") and hasattr(model, "decode")
-                  and grouped_mm_supported(model.lm_head.weight) and not deterministic and tp.world_size == 1)
+        graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
+                  and not deterministic and tp.world_size == 1)
         scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,

@@ -154,6 +154,7 @@ class WorkerPool:
         self.processes: list[mp.Process] = []
         self.channel: PlanChannel | None = None
         self.unhealthy: str | None = None  # why the pool cannot run steps now
+        self._engram_stats: EngramStats | None = None  # rank 0's last reported counters
         self.restarts = 0
         self._dead: str | None = None  # set by the watchdog thread
         self._generation = 0  # a watchdog only reports deaths of its own generation of ranks
@@ -232,18 +233,25 @@ class WorkerPool:
         started = time.monotonic()
         num_pages = self.num_pages
         self._stop_ranks(graceful=False)
-        self.runner = None  # the old cache and weights go before the new ones are built
+        self.runner = None  # the old cache and weights go before the new ones are built (stats read it: see engram_stats)
         self.runner, _ = self._start(num_pages=num_pages)
         self.restarts += 1
         self.unhealthy = None
         log.warning("tensor-parallel pool restarted in %.1f s after: %s", time.monotonic() - started, reason)
 
     def cancel(self, request_id: str) -> None:
-        """An aborted request: rank 0 drops its pending Engram prefetches."""
-        self.runner.cancel(request_id)
+        """An aborted request: rank 0 drops its pending Engram prefetches (none during a restart)."""
+        runner = self.runner
+        if runner is not None:
+            runner.cancel(request_id)
 
     def engram_stats(self) -> EngramStats | None:
-        return self.runner.engram_stats()
+        """Rank 0's Engram counters; while a restart rebuilds the runner (the engine process's main
+        thread asks for stats at any time), the last ones it reported."""
+        runner = self.runner
+        if runner is not None:
+            self._engram_stats = runner.engram_stats()
+        return self._engram_stats
 
     def health(self) -> str | None:
         return self.unhealthy
