@@ -5,9 +5,15 @@ RESIDENCIES is the one list of residency names: what each one's tier holds where
 row id under tensor parallelism), and how its tier is opened. A new tier is a new entry here.
 
 Disk tiers read table files from `engram.path` (default MODEL_DIR/engram), converted from the
-checkpoint on first use. Refused with a message naming the key: a residency name not in RESIDENCIES,
-disk residency on tmpfs / ramfs (O_DIRECT would bypass nothing: the "disk" is RAM), a table whose
-layout differs from the config's, and resident scales over files that keep their scales inline.
+checkpoint on first use. Each file is checked on open against the checkpoint it is to serve (format
+version, the digest of its source tensors: source.py; its size): a table of another checkpoint, of
+these weights before they changed, or of an older format is reconverted with a warning naming the file
+when `engram.path` is the default (the server owns that directory), and refused at start when it is set
+(the operator's files: the message names the file and the convert command). A damaged file (bad
+header, truncated) is refused either way. Refused with a message naming the key: a residency name not
+in RESIDENCIES, disk residency on tmpfs / ramfs (O_DIRECT would bypass nothing: the "disk" is RAM), a
+table whose layout differs from the config's, and resident scales over files that keep their scales
+inline.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import numpy as np
 import torch
 
 from engram_store.cache import RowCache
-from engram_store.convert import convert_tables, read_header, table_file
-from engram_store.format import TableHeader
+from engram_store.convert import convert_tables, open_table, table_file, tensor_files
+from engram_store.format import StaleTableError, TableFormatError, TableHeader
 from engram_store.hashing import EngramLayout
+from engram_store.source import source_digest, source_tensors
 from engram_store.store import (
     DiskLayer,
     DiskTier,
@@ -102,16 +109,13 @@ def _open_in_host_memory(inputs: TierInputs, layers: dict[int, int]) -> Resident
 
 
 def _open_disk(inputs: TierInputs, layers: dict[int, int]) -> DiskTier:
-    """The layers' table files (converted first if missing) behind one reader, with row caches sized
+    """The layers' table files (checked, and converted first where missing or stale: _open_tables)
+    behind one reader, with row caches sized
     by the options' byte budgets shared out in proportion to each layer's row width."""
     directory, options, device = inputs.directory, inputs.options, inputs.device
     _check_filesystem(directory)
     paths = {index: table_file(directory, layer) for index, layer in layers.items()}
-    if not all(path.exists() for path in paths.values()):
-        log.info("converting the Engram tables of %s into %s (first use)", inputs.model_dir, directory)
-        convert_tables(inputs.model_dir, directory, inputs.layout, "separate" if options.resident_scales else "inline",
-                       progress=False)
-    headers = {index: read_header(path) for index, path in paths.items()}
+    headers = _open_tables(inputs, layers, paths)
     row_bytes = sum(header.row_bytes for header in headers.values())
     host_rows, device_rows = options.host_cache_bytes // row_bytes, options.gpu_cache_bytes // row_bytes
     disk = {}
@@ -124,6 +128,40 @@ def _open_disk(inputs: TierInputs, layers: dict[int, int]) -> DiskTier:
                               compute_device=device if torch.device(device).type == "cuda" else None)
         disk[index] = DiskLayer(header, file_index, host_cache, device_cache, scales, device)
     return DiskTier(disk, UringPageReader(list(paths.values()), options.queue_depth), inputs.stats)
+
+
+def _open_tables(inputs: TierInputs, layers: dict[int, int], paths: dict[int, Path]) -> dict[int, TableHeader]:
+    """Each layer's table header, the file checked against the checkpoint (convert.open_table).
+    Missing files are converted; foreign, stale or old-format ones too at the default path (with a
+    warning naming each), refused at an explicit one; damaged files are refused."""
+    files = tensor_files(inputs.model_dir)
+    digests = {index: source_digest(files, source_tensors(files, layer, inputs.model_dir))
+               for index, layer in layers.items()}
+    scale_layout = "separate" if inputs.options.resident_scales else "inline"
+    command = f"python -m engram_store.convert {inputs.model_dir} --out {inputs.directory}" + (
+        " --scales separate" if inputs.options.resident_scales else "")
+    headers: dict[int, TableHeader] = {}
+    missing: dict[int, int] = {}
+    for index, layer in layers.items():
+        try:
+            headers[index] = open_table(paths[index], digests[index])
+        except FileNotFoundError:
+            missing[index] = layer
+        except StaleTableError as exc:
+            if inputs.options.path is not None:
+                raise EngramConfigError(
+                    f"engram.path: {exc}; reconvert the tables for this checkpoint: {command}") from exc
+            log.warning("%s; reconverting it", exc)
+            missing[index] = layer
+        except TableFormatError as exc:
+            raise EngramConfigError(f"engram.path: {exc}; reconvert the tables: {command}") from exc
+    if missing:
+        log.info("converting Engram layers %s of %s into %s", sorted(missing.values()), inputs.model_dir,
+                 inputs.directory)
+        convert_tables(inputs.model_dir, inputs.directory, inputs.layout, scale_layout, progress=False,
+                       layers=set(missing.values()))
+        headers.update({index: open_table(paths[index], digests[index]) for index in missing})
+    return {index: headers[index] for index in layers}  # in the layers' order, as the reader's files are
 
 
 RESIDENCIES: dict[str, Residency] = {

@@ -5,7 +5,8 @@
 
 Conversion streams: rows are read from safetensors a block at a time, so memory stays bounded
 whatever the table size (the released tables are ~98 GB each). fp8 tables keep their power-of-two
-scales as e8m0 bytes; float tables keep float32 scales.
+scales as e8m0 bytes; float tables keep float32 scales. Each header records the digest of the tensors
+it was converted from (source.py), so the server can tell a table of this checkpoint from another's.
 """
 
 from __future__ import annotations
@@ -16,15 +17,23 @@ import os
 import secrets
 import sys
 import zlib
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from engram_store.format import PAGE, TableFormatError, TableHeader, check_page, seal_page
+from engram_store.format import (
+    PAGE,
+    StaleTableError,
+    TableFormatError,
+    TableHeader,
+    check_page,
+    seal_page,
+)
 from engram_store.hashing import EngramLayout
+from engram_store.source import source_digest, source_tensors
 from engram_store.spec import checkpoint_spec
 
 ROWS_PER_BLOCK = 1 << 16
@@ -122,17 +131,19 @@ def convert_checkpoint(model_dir: Path, out_dir: Path, scale_layout: str = "inli
 
 
 def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_layout: str = "inline",
-                   progress: bool = True) -> list[Path]:
-    """One table file per layer of `layout` from the checkpoint's `model.engram_tables.<L>.weight`
-    tensors, the layout's primes and offsets written into each header (build.py checks them)."""
+                   progress: bool = True, layers: Collection[int] | None = None) -> list[Path]:
+    """One table file per layer of `layout` (or only of `layers`) from the checkpoint's
+    `model.engram_tables.<L>.weight` tensors, the layout's primes and offsets and the source tensors'
+    digest (source.py) written into each header (build.py checks them)."""
     files = tensor_files(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for index, layer in enumerate(layout.layer_ids):
-        name = f"model.engram_tables.{layer}.weight"
-        if name not in files:
-            raise TableFormatError(f"{model_dir}: no tensor {name} in the checkpoint's safetensors files")
-        scale_name = next((n for n in (name + "_scale_inv", f"model.engram_tables.{layer}.scale") if n in files), None)
+        if layers is not None and layer not in layers:
+            continue
+        sources = source_tensors(files, layer, model_dir)
+        name, *scale_names = sources
+        scale_name = scale_names[0] if scale_names else None
         with safe_open(files[name], framework="pt") as values_file:
             values = values_file.get_slice(name)
             rows, dim = values.get_shape()
@@ -145,6 +156,7 @@ def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_l
                 table_id=secrets.randbits(64), layer_id=layer, rows=rows, row_dim=dim, value_dtype=value_dtype,
                 scale_dtype=scale_dtype, scale_block=dim // n_scales, scale_layout=scale_layout,
                 primes=[p for order in layout.primes[index] for p in order], offsets=list(layout.offsets[index]),
+                source_digest=source_digest(files, sources),
             )
 
             def blocks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -164,9 +176,31 @@ def read_header(path: Path) -> TableHeader:
         return TableHeader.decode(f.read(PAGE), str(path))
 
 
+def open_table(path: Path, digest: str) -> TableHeader:
+    """The header of a table file that belongs to the checkpoint whose source tensors have digest
+    `digest` (source.py) and is as long as its header implies. Raises StaleTableError for a
+    file of another format version or other source tensors (reconverting replaces it), TableFormatError
+    for a damaged one (bad header, truncated or extended); each names the file. Cheap: one page read."""
+    header = read_header(path)
+    if header.source_digest != digest:
+        recorded = f"{header.source_digest[:24]}..." if header.source_digest else "none"
+        raise StaleTableError(
+            f"{path} was converted from other tensors than this checkpoint's model.engram_tables.{header.layer_id}"
+            f" (source digest {recorded}, the checkpoint's {digest[:24]}...): a table of another checkpoint,"
+            " or of these weights before they changed"
+        )
+    size = path.stat().st_size
+    if size != header.file_bytes:
+        raise TableFormatError(f"{path}: {size} bytes, its header implies {header.file_bytes} (truncated or damaged)")
+    return header
+
+
 def verify_table(path: Path) -> list[str]:
     """Every problem found in one file (empty: the file verifies)."""
-    header = read_header(path)
+    try:
+        header = read_header(path)
+    except TableFormatError as exc:
+        return [str(exc)]
     problems = []
     size = path.stat().st_size
     if size != header.file_bytes:

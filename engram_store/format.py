@@ -9,6 +9,11 @@ scales too (values then scales, contiguous). Every data page ends with a trailer
 (page number u32, table id u64, crc32 u32 of everything before the crc); a read is used only if the
 length, page number, table id and checksum all match, so a short, stale, misplaced or corrupt page
 is never served. The table id is random per file: pages copied from another file do not verify.
+
+The header binds the file to what it was converted from: `source_digest` is source.py's digest of the
+checkpoint tensors (values and scales), recorded at conversion and compared with the checkpoint's on
+every open, so a table of another checkpoint, or of these weights before they were rewritten, is never
+served. Version 2 added it; a file of another version is refused like a foreign one (StaleTableError).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 
 PAGE = 4096
 MAGIC = b"DS4ENGRM"
-VERSION = 1
+VERSION = 2  # 2: source_digest
 TRAILER = struct.Struct("<IQI")  # page number, table id, crc32
 VALUE_DTYPES = {"float8_e4m3fn": 1, "bfloat16": 2, "float32": 4}
 SCALE_DTYPES = {"e8m0": 1, "float32": 4}  # e8m0: uint8 exponent, value 2 ** (e - 127)
@@ -30,6 +35,11 @@ SCALE_DTYPES = {"e8m0": 1, "float32": 4}  # e8m0: uint8 exponent, value 2 ** (e 
 
 class TableFormatError(ValueError):
     """A table file that is not what it claims (header, size, page checksum); names the file."""
+
+
+class StaleTableError(TableFormatError):
+    """A sound table file that does not belong here: another format version, or converted from other
+    tensors than the checkpoint's (source digest). Reconverting replaces it; names the file."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class TableHeader:
     checksum: str = "crc32-per-page"
     version: int = VERSION
     scale_section_crc: int = 0
+    source_digest: str = ""  # source.py's digest of the tensors it was converted from ("": none recorded)
 
     @property
     def value_bytes(self) -> int:
@@ -101,7 +112,7 @@ class TableHeader:
         except ValueError as exc:
             raise TableFormatError(f"{where}: unreadable header: {exc}") from exc
         if fields.get("version") != VERSION:
-            raise TableFormatError(f"{where}: table format version {fields.get('version')}, this server reads {VERSION}")
+            raise StaleTableError(f"{where}: table format version {fields.get('version')}, this server reads {VERSION}")
         header = cls(**fields)
         if header.value_dtype not in VALUE_DTYPES or header.scale_dtype not in SCALE_DTYPES:
             raise TableFormatError(f"{where}: unknown dtypes {header.value_dtype} / {header.scale_dtype}")

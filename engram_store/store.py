@@ -11,7 +11,9 @@ the I/O thread, so the reads overlap the layers that run before the first Engram
 `rows(step, layer)` then waits only for that layer. The runner also hands over `hint`s (a sampled
 token's rows, before its step is scheduled) that warm the cache and are cancelled if the request is
 aborted. A row that cannot be read and verified is never used: it comes back as zeros and the tokens
-that needed it are in the step's `failed`, so the runner fails exactly those requests.
+that needed it are in the step's `failed`, so the runner fails exactly those requests; the failed
+reads are also logged (ReadFailureLog: one line per read job at most every few seconds, so a failing
+disk cannot flood the log).
 """
 
 from __future__ import annotations
@@ -90,6 +92,32 @@ class StoreStats:
 
     def snapshot(self) -> EngramStats:
         return self.current
+
+
+class ReadFailureLog:
+    """Warnings for page reads that failed (after the reader's retry), naming file, page and reason.
+
+    A read job (a step's misses, or a hint) logs one line: its first failed page and how many pages
+    failed with it. A failing disk fails many pages per step at many steps a second, so a line is
+    written at most every `every_s` seconds; the failures in between are counted, and the next line
+    says how many went unlogged. The counters (`read_errors`) still count every one."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._unlogged = 0  # failed pages since the last line, not named in any
+
+    def record(self, failures: Sequence[tuple[Path, int, str]]) -> None:
+        """One job's failures: (file, page number, reason) each. Called by the I/O thread only."""
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._unlogged += len(failures)
+            return
+        path, page, why = failures[0]
+        others = f"; {len(failures) - 1} more pages failed in this read" if len(failures) > 1 else ""
+        unlogged = f"; {self._unlogged} failed page reads not logged since the last warning" if self._unlogged else ""
+        log.warning("Engram read failed: %s page %d: %s%s%s", path, page, why, others, unlogged)
+        self._last, self._unlogged = now, 0
 
 
 class ResidentLayer:
@@ -321,6 +349,7 @@ class DiskTier:
 
     def __init__(self, layers: dict[int, DiskLayer], reader: UringPageReader, stats: StoreStats) -> None:
         self.layers, self.reader, self.stats = layers, reader, stats
+        self.failure_log = ReadFailureLog()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._cancelled: set[str] = set()
         self._order = 0
@@ -450,6 +479,8 @@ class DiskTier:
         keys = [key for layer_keys in keys_of.values() for key in layer_keys]
         pages, bad = self.reader.read_pages(keys, lambda key, page: check_page(page, key[1], table_of_file[key[0]]))
         self.stats.set_reads(self.reader.bytes_read, self.reader.errors)
+        if bad:
+            self.failure_log.record([(self.reader.paths[keys[p][0]], keys[p][1], why) for p, why in sorted(bad.items())])
         result, start = {}, 0
         for index, rows in reads.items():
             end = start + len(keys_of[index])

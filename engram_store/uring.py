@@ -50,6 +50,7 @@ Verifier = Callable[[PageKey, memoryview], "str | None"]
 class UringPageReader:
     def __init__(self, paths: list[Path], queue_depth: int) -> None:
         self.queue_depth = max(1, queue_depth)
+        self.paths = list(paths)  # by file index (a PageKey's first part), for messages
         self.fds = [os.open(path, os.O_RDONLY | os.O_DIRECT) for path in paths]
         self.ring = liburing.io_uring()
         liburing.io_uring_queue_init(2 * self.queue_depth, self.ring, 0)
