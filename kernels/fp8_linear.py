@@ -11,6 +11,14 @@ Decode reads every weight once a step, so keeping W in fp8 halves the bytes a bf
   so a result does not depend on timing (graph replays equal eager runs bitwise).
 Both round each product of W's values and scales to x's dtype first, so they differ only in the order
 of the float32 accumulation.
+- `fp8_linear_dequant` (x above TRITON_MAX_ROWS rows: prefill, decode batches): one Triton pass writes
+  W in x's dtype, bitwise the reference's, then cuBLAS; on the H200 this beat the split-K kernel above
+  32 rows (128 blocks) / 16 (32 blocks) and the torch dequantization by 1.4-2.3x (bench/fp8_linear.py;
+  BENCHMARKS.md has the table).
+- `fp8_linear_scaled_mm` (opt-in, FP8_ACTIVATIONS): FP8 tensor cores through torch's blockwise scaled
+  matmul, x quantized per 1 x 128 group; 128 x 128 blocks only (torch has no 32 x 32 recipe on sm90).
+- `fp8_linear_tc` / `fp8_linear_w8a8`: Triton tensor-core tiles (W decoded in registers / fp8 x fp8,
+  any block size), tested but not dispatched: measured slower than the paths above (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import FP8_BLOCK, dequantize_fp8_blocks
+from kernels.quant import FP8_BLOCK, _as_float_scales, dequantize_fp8_blocks
 
 try:
     import triton
@@ -30,16 +38,77 @@ except ImportError:  # CPU-only installs: the reference path runs
 
 BLOCK_M, BLOCK_N = 16, 32  # rows of x (tl.dot's smallest) and output columns per program
 TARGET_PROGRAMS = 264  # two per SM of an H200
-TRITON_MAX_ROWS = 256  # decode-sized inputs; larger ones dequantize W once and take cuBLAS
+# Rows of x up to which the split-K kernel runs, per block size; above, W is dequantized to x's dtype by
+# a Triton pass and cuBLAS multiplies (bench/fp8_linear.py, H200: with 128 blocks split-K wins at 32 rows
+# on all four V4-Flash shapes and loses at 256; with 32 blocks the dequant path wins at 32 on all three).
+TRITON_MAX_ROWS = {128: 32, 32: 16}
+# Opt-in: x quantized to e4m3 per 1 x 128 group (the release's dynamic activations) and torch's blockwise
+# FP8 GEMM (cuBLASLt, sm90, CUDA >= 12.9) above SCALED_MM_MIN_ROWS rows, 128 x 128 blocks only. Not the
+# reference's function (~2.5% relative error from e4m3's rounding of x), so off unless set.
+FP8_ACTIVATIONS = False
+SCALED_MM_MIN_ROWS = 256
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / float32), weight [N, K] fp8, scale [ceil(N / block), ceil(K / block)]
-    float32 -> [..., N] in x's dtype: the Triton kernel on the GPU, the reference elsewhere (and for
-    prefill-sized x, where cuBLAS on the dequantized matrix wins)."""
-    if triton is None or not x.is_cuda or x.numel() // x.shape[-1] > TRITON_MAX_ROWS:
+    float32 -> [..., N] in x's dtype. GPU: the split-K kernel for decode-sized x (<= TRITON_MAX_ROWS[block]
+    rows), else W dequantized by a Triton pass (bitwise the reference's) and cuBLAS, or with
+    FP8_ACTIVATIONS torch's blockwise FP8 GEMM; the reference elsewhere."""
+    rows = x.numel() // x.shape[-1]
+    if triton is None or not x.is_cuda:
         return fp8_linear_reference(x, weight, scale, block)
-    return fp8_linear_triton(x, weight, scale, block)
+    if rows <= TRITON_MAX_ROWS.get(block, 16):
+        return fp8_linear_triton(x, weight, scale, block)
+    if FP8_ACTIVATIONS and rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, weight, block):
+        return fp8_linear_scaled_mm(x, weight, scale, block)
+    return fp8_linear_dequant(x, weight, scale, block)
+
+
+def fp8_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """The reference with its dequantization in one Triton pass (fp8 read, x's dtype written): the same
+    W in x's dtype bit for bit, then the same F.linear, so the same result."""
+    return F.linear(x, dequantize_fp8_blocks_triton(weight, scale, block, x.dtype))
+
+
+def dequantize_fp8_blocks_triton(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """dequantize_fp8_blocks(weight, scale, block).to(dtype) in one pass: value x scale in float32,
+    rounded to dtype (round to nearest even, as .to does)."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    scales = _as_float_scales(scale).contiguous()
+    hw = not _interpreting()
+    grid = (triton.cdiv(n, DEQUANT_ROWS), triton.cdiv(k, DEQUANT_COLS))
+    _dequantize_kernel[grid](weight if hw else weight.view(torch.uint8), scales, out, n, k, scales.shape[1],
+                             BLOCK=block, ROWS=DEQUANT_ROWS, COLS=DEQUANT_COLS, HW_CVT=hw, num_warps=4)
+    return out
+
+
+DEQUANT_ROWS, DEQUANT_COLS = 16, 256
+
+
+def scaled_mm_supported(x: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
+    n, k = weight.shape
+    return (block == 128 and x.dtype == torch.bfloat16 and k % 128 == 0 and n % 16 == 0
+            and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """x to e4m3 per 1 x 128 group, then F.scaled_mm (BlockWise1x128 x BlockWise128x128); the rows
+    padded to a multiple of 16 (cuBLASLt's fp8 requirement). fp8_linear_w8a8_reference computes the
+    same function in float32."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    padded = -(-m // 16) * 16
+    if padded != m:
+        rows = F.pad(rows, (0, 0, 0, padded - m))
+    values, x_scale = quantize_fp8_groups(rows.contiguous(), 128)
+    kinds, swizzle = F.ScalingType, F.SwizzleType
+    out = F.scaled_mm(values, weight.t(), x_scale.t(), kinds.BlockWise1x128, _as_float_scales(scale).t(),
+                      kinds.BlockWise128x128, swizzle_a=swizzle.NO_SWIZZLE, swizzle_b=swizzle.NO_SWIZZLE,
+                      output_dtype=x.dtype)
+    return out[:m].view(*x.shape[:-1], n)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -58,9 +127,10 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split)
-        _fp8_linear_kernel[grid](rows, weight.view(torch.uint8), scale.float().contiguous(), partial, m, n, k,
-                                 scale.shape[1], steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+        hw = not _interpreting()
+        _fp8_linear_kernel[grid](rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial,
+                                 m, n, k, scale.shape[1], steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 HW_CVT=hw, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return partial.sum(dim=0).to(x.dtype).view(*x.shape[:-1], n)
 
 
@@ -68,7 +138,7 @@ if triton is not None:
 
     @triton.jit
     def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, steps_per_split, BLOCK: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr):
         """Program (i, j, s): rows tile i, columns tile j, K blocks [s * steps_per_split, ...) ->
         float32 partial sums out[s, rows, cols]."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -83,10 +153,200 @@ if triton is not None:
             xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
                          mask=in_rows[:, None] & in_inner[None, :], other=0.0)
             raw = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
-                          mask=in_cols[:, None] & in_inner[None, :], other=0)
-            w = _e4m3_to_float(raw.to(tl.int32))
+                          mask=in_cols[:, None] & in_inner[None, :], other=0.0)
+            if HW_CVT:  # the GPU's e4m3 -> float conversion (exact, NaN kept); the interpreter decodes bits
+                w = raw.to(tl.float32)
+            else:
+                w = _e4m3_to_float(raw.to(tl.int32))
             s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
             w = (w * s[:, None]).to(xs.dtype)
             acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
         out = out_ptr + share.to(tl.int64) * m * n
         tl.store(out + rows[:, None].to(tl.int64) * n + cols[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
+
+
+# Large-M paths (prefill, large decode batches): tensor-core tiles, one program per output tile.
+# `fp8_linear_tc`: W decoded to x's dtype in registers (the reference's rounding: each value x its
+#   block's scale, rounded to x's dtype), bf16 tensor cores, float32 accumulation; any block size.
+# `fp8_linear_w8a8`: x quantized to e4m3 per 1 x block token group (the release's dynamic activation
+#   scheme), fp8 tensor cores on both operands, each block's partial dot scaled by the two scales in
+#   float32. Not the reference's function: it adds e4m3's rounding of x (~3% per element).
+TC_CONFIG = (128, 128, 64, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+W8A8_CONFIG = (128, 128, 128, 8, 3)
+GROUP_M = 8  # output tiles walked in groups of 8 row tiles, so a W tile is reused from L2
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fp8_linear_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    n, k = weight.shape
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    block_m, block_n, block_k, warps, stages = config or TC_CONFIG
+    block_k = min(block_k, block) if block % block_k and block_k % block else block_k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        hw = not _interpreting()
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        _fp8_linear_tc_kernel[grid](rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), out,
+                                    m, n, k, scale.shape[1], BLOCK=block, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    BLOCK_K=block_k, GROUP_M=GROUP_M, HW_CVT=hw,
+                                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                    num_warps=warps, num_stages=stages)
+    return out.view(*x.shape[:-1], n)
+
+
+def quantize_fp8_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], float32 scales [K / group, M]): amax / 448 per 1 x group slice (K a
+    multiple of group). The scales are stored group-major (M contiguous), torch._scaled_mm's layout."""
+    m, k = x.shape
+    groups = x.float().view(m, k // group, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    values = (groups / scale[..., None]).view(m, k).to(torch.float8_e4m3fn)
+    return values, scale.t().contiguous()
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton is None or not x.is_cuda or _interpreting():
+        return quantize_fp8_groups_reference(x, group)
+    m, k = x.shape
+    values = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(k // group, m, dtype=torch.float32, device=x.device)
+    if m:
+        rows_per = max(1, min(64, 4096 // group))
+        _quantize_groups_kernel[(triton.cdiv(m, rows_per), k // group)](x, values, scale, m, k, GROUP=group,
+                                                                        BLOCK_R=rows_per, num_warps=4)
+    return values, scale
+
+
+def fp8_linear_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """What `fp8_linear_w8a8` computes: x rounded to e4m3 per 1 x block group, then exact products."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    values, x_scale = quantize_fp8_groups_reference(rows, block)
+    xs = values.float() * x_scale.t().repeat_interleave(block, dim=1)
+    return F.linear(xs, dequantize_fp8_blocks(weight, scale, block)).to(x.dtype).view(*x.shape[:-1], n)
+
+
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """K must be a multiple of `block` (every V4 / V4.1 projection is)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    block_m, block_n, block_k, warps, stages = config or W8A8_CONFIG
+    block_k = max(block_k, block) if block_k % block else block_k
+    values, x_scale = quantize_fp8_groups(rows, block)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        _fp8_linear_w8a8_kernel[grid](values, x_scale, weight, scale.float().contiguous(), out, m, n, k,
+                                      scale.shape[1], BLOCK=block, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      BLOCK_K=block_k, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+    return out.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_of(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Program id -> (row tile, column tile), GROUP_M row tiles per column sweep (L2 reuse of W)."""
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+        width = GROUP_M * tiles_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+    @triton.jit
+    def _fp8_linear_tc_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, BLOCK: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr):
+        """One [BLOCK_M, BLOCK_N] output tile over all of K, BLOCK_K at a time; W's tile decoded and
+        scaled in registers (a scale per BLOCK-wide slice of K: SUB of them when BLOCK < BLOCK_K)."""
+        tile_m, tile_n = _tile_of(m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows, in_cols = rows < m, cols < n
+        SUB: tl.constexpr = BLOCK_K // BLOCK if BLOCK < BLOCK_K else 1
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            inner = start + tl.arange(0, BLOCK_K)
+            in_inner = inner < k
+            xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
+                         mask=in_rows[:, None] & in_inner[None, :], other=0.0)
+            raw = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
+                          mask=in_cols[:, None] & in_inner[None, :], other=0.0)
+            if HW_CVT:
+                w = raw.to(tl.float32)
+            else:
+                w = _e4m3_to_float(raw.to(tl.int32))
+            if SUB == 1:
+                s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
+                w = w * s[:, None]
+            else:
+                sub = start // BLOCK + tl.arange(0, SUB)
+                s = tl.load(scale_ptr + (cols // BLOCK)[:, None] * k_blocks + sub[None, :],
+                            mask=in_cols[:, None] & (sub < k_blocks)[None, :], other=0.0)
+                w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+            acc += tl.dot(xs, tl.trans(w.to(xs.dtype)), input_precision=PRECISION, out_dtype=tl.float32)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=in_rows[:, None] & in_cols[None, :])
+
+    @triton.jit
+    def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, n, k, k_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                           COLS: tl.constexpr, HW_CVT: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        mask = (rows < n)[:, None] & (cols < k)[None, :]
+        offsets = rows[:, None].to(tl.int64) * k + cols[None, :]
+        raw = tl.load(w_ptr + offsets, mask=mask, other=0.0)
+        if HW_CVT:
+            w = raw.to(tl.float32)
+        else:
+            w = _e4m3_to_float(raw.to(tl.int32))
+        s = tl.load(scale_ptr + (rows // BLOCK)[:, None] * k_blocks + (cols // BLOCK)[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + offsets, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, values_ptr, scale_ptr, m, k, GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        group = tl.program_id(1)
+        inner = group * GROUP + tl.arange(0, GROUP)
+        mask = (rows < m)[:, None]
+        offsets = rows[:, None].to(tl.int64) * k + inner[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        tl.store(values_ptr + offsets, (x / scale[:, None]).to(tl.float8e4nv), mask=mask)
+        tl.store(scale_ptr + group * m + rows, scale, mask=rows < m)
+
+    @triton.jit
+    def _fp8_linear_w8a8_kernel(xq_ptr, xs_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, BLOCK: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr):
+        """fp8 x fp8 dots BLOCK wide (one scale pair each), SUB = BLOCK_K / BLOCK of them per K step."""
+        tile_m, tile_n = _tile_of(m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows, in_cols = rows < m, cols < n
+        SUB: tl.constexpr = BLOCK_K // BLOCK
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            for j in tl.static_range(SUB):
+                inner = start + j * BLOCK + tl.arange(0, BLOCK)
+                in_inner = inner < k
+                a = tl.load(xq_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
+                            mask=in_rows[:, None] & in_inner[None, :], other=0.0)
+                b = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
+                            mask=in_cols[:, None] & in_inner[None, :], other=0.0)
+                kb = start // BLOCK + j
+                sa = tl.load(xs_ptr + kb * m + rows, mask=in_rows, other=0.0)
+                sb = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + kb, mask=in_cols, other=0.0)
+                acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=in_rows[:, None] & in_cols[None, :])

@@ -219,7 +219,7 @@ def graph_test_models(kind: str, checkpoints) -> tuple:
         model = tiny_v4_bf16()
         quantize_as_released(model)
         return model, dequantized_float32(model, tiny_v4_bf16())
-    load = lambda dtype: load_model(checkpoints["v41"], dtype=dtype, device="cuda", simulate_quantization=False)  # noqa: E731
+    load = lambda dtype: load_model(checkpoints["v41"], dtype=dtype, device="cuda", simulate_quantization=False)
     return load(torch.bfloat16), load(torch.float32)
 
 
@@ -388,6 +388,54 @@ def test_fp8_linear_kernel_compiled_equals_the_reference(dtype):
 
     check_fp8_linear(rows=5, n=1000, k=1100, dtype=dtype, seed=3, device="cuda")
     check_fp8_linear(rows=1, n=2048, k=4096, dtype=dtype, seed=4, device="cuda")  # a V4-Flash-sized decode row
+
+
+@pytest.mark.parametrize("block", [128, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_tensor_core_tiles_compiled_equal_the_reference(block, dtype):
+    """The large-M path (prefill, large decode batches) with its default tiles, on fresh random inputs,
+    for V4's 128 x 128 and V4.1's 32 x 32 blocks; M, N and K off the tiles; a V4-Flash o_b-sized one."""
+    from tests.test_triton_kernels import check_fp8_linear
+
+    check_fp8_linear(rows=300, n=1000, k=1100, dtype=dtype, seed=7, device="cuda", block=block, path="tc")
+    check_fp8_linear(rows=1024, n=4096, k=8192, dtype=dtype, seed=8, device="cuda", block=block, path="tc")
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_fp8_activations_compiled_equal_their_reference(block):
+    from tests.test_triton_kernels import check_fp8_linear_w8a8
+
+    check_fp8_linear_w8a8(rows=300, n=1000, k=1024, block=block, seed=9, device="cuda")
+    check_fp8_linear_w8a8(rows=2048, n=2048, k=4096, block=block, seed=10, device="cuda")
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_large_m_dispatch_is_bitwise_the_reference(block):
+    """Above TRITON_MAX_ROWS rows fp8_linear dequantizes W in one Triton pass and calls cuBLAS: the
+    reference's result bit for bit (128 x 128 and 32 x 32 blocks, shapes off the blocks)."""
+    from tests.test_triton_kernels import check_fp8_dequant
+
+    check_fp8_dequant(n=1000, k=1100, block=block, seed=11, device="cuda", rows=300)
+    check_fp8_dequant(n=4096, k=8192, block=block, seed=12, device="cuda", rows=2048)
+
+
+def test_fp8_linear_scaled_mm_opt_in_equals_its_reference(monkeypatch):
+    """FP8_ACTIVATIONS: torch's blockwise FP8 GEMM (x per 1 x 128 group) through fp8_linear, within
+    float32 summation order of fp8_linear_w8a8_reference and e4m3's rounding of the bf16 reference."""
+    import kernels.fp8_linear as fp8
+    from kernels.quant import quantize_fp8_blocks
+
+    monkeypatch.setattr(fp8, "FP8_ACTIVATIONS", True)
+    generator = torch.Generator("cuda").manual_seed(13)
+    for rows, n, k in ((300, 1024, 1024), (2049, 4096, 8192)):
+        weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device="cuda"))
+        x = (torch.randn(rows, k, generator=generator, device="cuda") * 3).bfloat16()
+        got = fp8.fp8_linear(x, weight, scale)
+        assert got.shape == (rows, n) and bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got.float(), fp8.fp8_linear_w8a8_reference(x, weight, scale).float(),
+                                   rtol=2e-2, atol=2e-2 * k**0.5)
+        bf16 = fp8.fp8_linear_reference(x, weight, scale).float()
+        assert float((got.float() - bf16).norm() / bf16.norm()) < 5e-2
 
 
 def test_pairwise_mxfp4_experts_compiled_equal_the_reference():

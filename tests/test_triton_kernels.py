@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.hyper import hc_mixes_reference, hc_mixes_triton  # noqa: E402
-from kernels.norm import rms_norm_reference, rms_norm_triton  # noqa: E402
+from kernels.hyper import hc_mixes_reference, hc_mixes_triton
+from kernels.norm import rms_norm_reference, rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -148,7 +148,12 @@ def test_indexer_scores_kernel_equals_the_reference():
 def check_unpack_fp4(rows: int, dim: int, seed: int, device: str = DEVICE) -> None:
     """Both scale formats, values over many binades (e4m3 subnormal scales included, and e4m3's NaN
     byte 0x7F, which torch's CUDA cast gives a scale past 448; the CPU cast saturates), float32 and bf16."""
-    from kernels.kv_pack import pack_fp4_e4m3, pack_fp4_ue8m0, unpack_fp4_reference, unpack_fp4_triton
+    from kernels.kv_pack import (
+        pack_fp4_e4m3,
+        pack_fp4_ue8m0,
+        unpack_fp4_reference,
+        unpack_fp4_triton,
+    )
 
     generator = torch.Generator(device).manual_seed(seed)
     x = torch.randn(rows, dim, generator=generator, device=device) * torch.logspace(-6, 3, rows, device=device)[:, None]
@@ -166,20 +171,54 @@ def test_unpack_fp4_kernel_is_bitwise_the_reference():
     check_unpack_fp4(rows=9, dim=64, seed=0)
 
 
-def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
-    """Sizes that are not multiples of the tiles or of the 128 blocks; a weight tile with subnormal and
-    negative values; bf16 within bf16's rounding of the reference, float32 close."""
-    from kernels.fp8_linear import fp8_linear_reference, fp8_linear_triton
+def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, device: str = DEVICE, block: int = 128,
+                     path: str = "splitk", config: tuple[int, int, int, int, int] | None = None) -> None:
+    """Sizes that are not multiples of the tiles or of the blocks; a weight tile with subnormal and
+    negative values; bf16 within bf16's rounding of the reference, float32 close. `path`: "splitk"
+    (fp8_linear_triton, decode) or "tc" (fp8_linear_tc, tensor-core tiles; `config` its tile shape)."""
+    from kernels.fp8_linear import (
+        fp8_linear_reference,
+        fp8_linear_tc,
+        fp8_linear_triton,
+    )
     from kernels.quant import quantize_fp8_blocks
 
     generator = torch.Generator(device).manual_seed(seed)
-    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu())
+    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
     weight, scale = weight.to(device), scale.to(device)
     x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
-    got, want = fp8_linear_triton(x, weight, scale), fp8_linear_reference(x, weight, scale)
+    if path == "splitk":
+        got = fp8_linear_triton(x, weight, scale, block)
+    else:
+        got = fp8_linear_tc(x, weight, scale, block, config)
+    want = fp8_linear_reference(x, weight, scale, block)
     assert got.dtype == dtype and got.shape == (rows, n)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * k**0.5)
+
+
+def check_fp8_linear_w8a8(rows: int, n: int, k: int, block: int, seed: int, device: str = DEVICE,
+                          config: tuple[int, int, int, int, int] | None = None) -> None:
+    """fp8 activations: within float32 summation order of fp8_linear_w8a8_reference (x rounded to e4m3
+    per 1 x block group), and within e4m3's rounding (||d|| / ||y|| < 5e-2; ~2.5e-2 expected on randn)
+    of the bf16 reference. K a multiple of the block, N and M not of the tiles."""
+    from kernels.fp8_linear import (
+        fp8_linear_reference,
+        fp8_linear_w8a8,
+        fp8_linear_w8a8_reference,
+    )
+    from kernels.quant import quantize_fp8_blocks
+
+    generator = torch.Generator(device).manual_seed(seed)
+    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
+    weight, scale = weight.to(device), scale.to(device)
+    x = (torch.randn(rows, k, generator=generator, device=device) * 3).bfloat16()
+    got = fp8_linear_w8a8(x, weight, scale, block, config)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n) and bool(torch.isfinite(got).all())
+    same_function = fp8_linear_w8a8_reference(x, weight, scale, block)
+    torch.testing.assert_close(got.float(), same_function.float(), rtol=2e-2, atol=2e-2 * k**0.5)
+    bf16 = fp8_linear_reference(x, weight, scale, block).float()
+    assert float((got.float() - bf16).norm() / bf16.norm()) < 5e-2
 
 
 def test_fp8_linear_kernel_equals_the_reference():
@@ -189,6 +228,46 @@ def test_fp8_linear_kernel_equals_the_reference():
 def test_fp8_linear_kernel_splits_k_into_shares():
     """One decode row against a long K: the K shares' partial sums add up to the reference."""
     check_fp8_linear(rows=1, n=40, k=1000, dtype=torch.float32, seed=1)
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_tensor_core_tiles_equal_the_reference(block):
+    """The prefill path's tiles (small here: the interpreter is slow), 128 x 128 and V4.1's 32 x 32 blocks."""
+    check_fp8_linear(rows=21, n=70, k=300, dtype=torch.float32, seed=5, block=block, path="tc", config=(16, 32, 64, 4, 1))
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_fp8_activations_equal_their_reference(block):
+    check_fp8_linear_w8a8(rows=19, n=70, k=256, block=block, seed=6, config=(16, 32, 128, 4, 1))
+
+
+def check_fp8_dequant(n: int, k: int, block: int, seed: int, device: str = DEVICE, rows: int = 0) -> None:
+    """The one-pass dequantization: bitwise dequantize_fp8_blocks(...).to(bf16), every e4m3 byte but NaN
+    among the values; with `rows`, fp8_linear (the large-M dispatch) bitwise the reference too."""
+    from kernels.fp8_linear import (
+        dequantize_fp8_blocks_triton,
+        fp8_linear,
+        fp8_linear_reference,
+    )
+    from kernels.quant import dequantize_fp8_blocks
+
+    generator = torch.Generator(device).manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k), generator=generator, device=device, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x11
+    weight = raw.view(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // block), -(-k // block), generator=generator, device=device) + 0.01
+    # Triton's interpreter rounds float32 -> bf16 toward zero (the GPU to nearest even): bf16 on the GPU only
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+        got = dequantize_fp8_blocks_triton(weight, scale, block, dtype)
+        assert torch.equal(got, dequantize_fp8_blocks(weight, scale, block).to(dtype))
+    if rows:
+        x = torch.randn(rows, k, generator=generator, device=device).bfloat16()
+        assert torch.equal(fp8_linear(x, weight, scale, block), fp8_linear_reference(x, weight, scale, block))
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_dequant_kernel_is_bitwise_the_reference(block):
+    check_fp8_dequant(n=70, k=300, block=block, seed=block)
 
 
 def check_engram_gather(rows: int, dim: int, ids: int, seed: int, device: str = DEVICE) -> None:
