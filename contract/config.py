@@ -45,10 +45,17 @@ class ServerSection(Section):
     api_key_file: str | None = None  # bearer keys, one per line (--api-key and DS4SERVE_API_KEY come first)
     # requests admitted beyond scheduler.max_num_seqs that may wait; past it, 429 with Retry-After
     max_waiting: int = Field(default=1024, gt=0)
+    # strings or token lists one completions `prompt` may hold (each is its own engine request, n times);
+    # more is a 400 naming prompt, before any is tokenized
+    max_prompts_per_request: int = Field(default=1024, gt=0)
     # after SIGTERM, how long in-flight requests may finish before streams are cut off (error frame)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     max_body_bytes: int = Field(default=32 * 2**20, gt=0)  # larger request bodies get 413
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with the request id when known
+    # a dead engine process is started again in place up to this many times within
+    # engine_restart_window_s; past that the server exits non-zero, for its supervisor to restart it
+    engine_restarts: int = Field(default=3, ge=0)
+    engine_restart_window_s: float = Field(default=600.0, gt=0)
 
 
 class SchedulerSection(Section):
@@ -166,6 +173,7 @@ FLAG_KEYS = {
     "host": "server.host",
     "port": "server.port",
     "log_format": "server.log_format",
+    "api_key_file": "server.api_key_file",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "block_size": "scheduler.block_tokens",

@@ -37,16 +37,31 @@ class RequestIdFilter(logging.Filter):
 
 
 class Redactor:
-    """Replaces secrets in finished log text."""
+    """Replaces secrets in finished log text, as they are and as a URL carries them (each character
+    literal or percent-encoded, in either hex case, "+" for a space): a key a client puts in a query
+    string reaches the access log encoded."""
 
     def __init__(self, secrets: Iterable[str]) -> None:
         # longest first, so a key that contains another is replaced whole
-        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        ordered = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self.patterns = [re.compile("".join(_char_as_written(c) for c in secret)) for secret in ordered]
 
     def __call__(self, text: str) -> str:
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
+        for pattern in self.patterns:
+            text = pattern.sub("***", text)
         return BEARER.sub(r"\1***", text)
+
+
+def _char_as_written(char: str) -> str:
+    """A regex for one character of a secret: itself, or its UTF-8 bytes percent-encoded (any hex case)."""
+    encoded = "".join(f"%{_hex_digit(b >> 4)}{_hex_digit(b & 15)}" for b in char.encode("utf-8"))
+    options = [re.escape(char), encoded] + (["\\+"] if char == " " else [])
+    return "(?:" + "|".join(options) + ")"
+
+
+def _hex_digit(value: int) -> str:
+    digit = f"{value:X}"
+    return f"[{digit}{digit.lower()}]" if digit.isalpha() else digit
 
 
 class TextFormatter(logging.Formatter):

@@ -3,7 +3,19 @@ boundaries unchanged."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+# vLLM's ranges (vllm/sampling_params.py): below MIN_TEMPERATURE a positive temperature divides the
+# logits into inf / NaN in float32, so the HTTP layer raises it to MIN_TEMPERATURE as vLLM does
+# (server/protocol.py) and the engine refuses it; 0 is greedy.
+MIN_TEMPERATURE = 1e-2
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI and vLLM bound them
+# vLLM asks only > 0. The penalty divides or multiplies a logit, so p and 1/p are equally strong; past
+# these bounds (far beyond any useful value) the penalized logits of float32 overflow to inf, or a
+# penalty rounds to 0 or inf and 0 * inf makes NaN, which would poison the request's draw.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI bounds it
 
 
 class InvalidSamplingParams(ValueError):
@@ -68,15 +80,52 @@ class SamplingParams:
         return self.greedy and not (reshaped or self.logprobs)
 
     def validate(self, vocab_size: int) -> None:
-        """Raises InvalidSamplingParams for what a schema cannot check: ids against the vocabulary, and
-        min_tokens against max_tokens."""
+        """Raises InvalidSamplingParams for a request the sampler cannot run: a float outside vLLM's
+        range (non-finite ones included: they reach the sampler as NaN logits), ids outside the
+        vocabulary, min_tokens past max_tokens. The HTTP schema checks the ranges first; this is the
+        engine boundary's check, whoever builds the params."""
+        self._validate_ranges()
         for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidSamplingParams(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)
+        for param, count in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if count is not None and not 0 <= count <= vocab_size:
+                raise InvalidSamplingParams(f"{param} must be between 0 and the vocabulary size {vocab_size}, got {count}", param)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidSamplingParams(
                 f"min_tokens ({self.min_tokens}) must be between 0 and max_tokens ({self.max_tokens})", "min_tokens"
+            )
+
+    def _validate_ranges(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise InvalidSamplingParams(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature}",
+                "temperature",
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be 0 (no filter) or positive, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        low, high = PENALTY_RANGE
+        for param, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            if not low <= value <= high:
+                raise InvalidSamplingParams(f"{param} must be in [{low}, {high}], got {value}", param)
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}", "repetition_penalty"
+            )
+        bad_bias = [(t, b) for t, b in self.logit_bias if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS]
+        if bad_bias:
+            token, bias = bad_bias[0]
+            raise InvalidSamplingParams(
+                f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+                "logit_bias",
             )
 
     def for_draw(self, num_generated: int, eos_token_ids: tuple[int, ...]) -> SamplingParams:

@@ -68,6 +68,10 @@ class RowSource(Protocol):
         """Asserts that the source's tables and caches are consistent (tests)."""
         ...
 
+    def close(self) -> None:
+        """Stops what the source started (I/O threads, readers); it serves no step after."""
+        ...
+
 
 class InMemoryEngramTable:
     """Every layer's table (fp8 values with power-of-two block scales, or float rows) resident in memory
@@ -98,6 +102,9 @@ class InMemoryEngramTable:
 
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.values + self.scales)
+
+    def close(self) -> None:
+        """Memory only: nothing to stop."""
 
     def check_integrity(self) -> None:
         assert len(self.values) == len(self.scales), "a table without scales, or scales without a table"

@@ -18,10 +18,12 @@ disk cannot flood the log).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -355,6 +357,9 @@ class DiskTier:
         self._order = 0
         self._thread: threading.Thread | None = threading.Thread(target=self._serve, name="ds4serve-engram-io", daemon=True)
         self._thread.start()
+        # a daemon thread still inside a torch op while the interpreter tears torch down aborts the
+        # process ("terminate called without an active exception", seen in a TP rank): stop it first
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- the model's side ------------------------------------------------------------------------
     def start(self, step: EngramStep) -> None:
@@ -490,11 +495,19 @@ class DiskTier:
         return result
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put((-1, 0, None, (), None))
-            self._thread.join(5)
-            self._thread = None
+        """Stops the I/O thread and closes the reader; safe to call twice (and again at exit)."""
+        if self._thread is None:
+            return
+        self._jobs.put((-1, 0, None, (), None))
+        self._thread.join(5)
+        self._thread = None
         self.reader.close()
+
+
+def _close_at_exit(tier: weakref.ref[DiskTier]) -> None:
+    alive = tier()
+    if alive is not None:
+        alive.close()
 
 
 class EngramStore:

@@ -242,6 +242,10 @@ class EngramMemory:
         """Asserts that the source's tables and row caches are consistent."""
         self.source.check_integrity()
 
+    def close(self) -> None:
+        """Stops the source's I/O (the disk tier's thread and reader)."""
+        self.source.close()
+
     def resident_bytes(self) -> int:
         """Memory the tables and row caches hold (the memory plan counts it with the weights)."""
         return self.source.resident_bytes()

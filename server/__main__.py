@@ -11,6 +11,8 @@ before anything starts (contract/features.py).
 SIGTERM or SIGINT drains: /health and /ready turn 503 at once, new completions get 503, in-flight
 ones get `server.drain_timeout_s` to finish (streams still running then end with an error frame and
 [DONE]), then uvicorn shuts down and the process exits 0. A second signal skips the rest of the drain.
+If the engine process dies more often than `server.engine_restarts` allows (server/engine_supervisor.py),
+the process exits 1, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config (default configs/cpu-tiny.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
-    parser.add_argument("--api-key", help="bearer key clients must send (or DS4SERVE_API_KEY)")
+    parser.add_argument("--api-key", help="bearer key clients must send; visible in the process table: prefer "
+                        "DS4SERVE_API_KEY or --api-key-file (one key per line)")
     parser.add_argument("--log-level", default="info")
     for flag in FLAG_KEYS:
         name = "--" + flag.replace("_", "-")
@@ -89,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,  # uvicorn logs through our root handler
     )
-    DrainingServer(server_config, app.state.lifecycle).run()
-    return 0
+    DrainingServer(server_config, app.state.lifecycle, app.state.engine_lost).run()
+    return 1 if app.state.engine_lost.reason is not None else 0  # non-zero: the engine could not be kept up
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -49,6 +52,7 @@ VERSION = "0.1.0"
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 DEFAULT_SETTINGS = ServerSection()
 T = TypeVar("T")
+PREPARE_WORKERS = 4  # threads that tokenize and render requests (the tokenizer releases the GIL)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,13 @@ def create_app(
     """`chat` renders messages into prompts and parses chat output; without it, /v1/chat/completions
     and /tokenize with messages answer 400."""
     app = FastAPI(title="ds4serve", version=VERSION)
+    # tokenizing and chat rendering run here, off the event loop: a huge prompt delays only itself
+    preparing = ThreadPoolExecutor(max_workers=PREPARE_WORKERS, thread_name_prefix="ds4serve-prepare")
+    app.router.on_shutdown.append(lambda: preparing.shutdown(wait=False, cancel_futures=True))
+
+    async def off_loop(work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(preparing, partial(work, *args))
+
     lifecycle = Lifecycle(model.max_num_seqs, settings.max_waiting, settings.drain_timeout_s)
     app.state.lifecycle = lifecycle
     install_error_handlers(app)
@@ -150,10 +161,15 @@ def create_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)])
 
-    @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(body: TokenizeRequest) -> Response:
         check_model(body.model)
-        return tokenize(body, tokenizer, model.max_model_len, chat.render if chat is not None else None)
+
+        def answer() -> Response:  # a million ids take a while to write too: that also happens off the loop
+            result = tokenize(body, tokenizer, model.max_model_len, chat.render if chat is not None else None)
+            return Response(orjson.dumps(result.model_dump()), media_type="application/json")
+
+        return await off_loop(answer)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -163,9 +179,10 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        response_id, requests = build_requests(body, tokenizer, model.max_model_len, request.state.request_id)
+        response_id, requests = await off_loop(build_requests, body, tokenizer, model.max_model_len,
+                                               request.state.request_id, settings.max_prompts_per_request)
         call = engine.call(requests)  # validates: refuses before anything runs (and before a stream's 200)
-        admission = lifecycle.admit(len(requests))
+        admission = lifecycle.admit(len(requests), "n" if len(requests) == body.n else "prompt")
         if body.stream:
             frames = stream_completion(body, response_id, call, tokenizer, model.name, lifecycle.expired)
             return HeldStream(frames, admission)
@@ -179,7 +196,7 @@ def create_app(
         check_model(body.model)
         if chat is None:
             raise ClientError("chat is unavailable on this server (no chat format for this model)", "messages")
-        call = build_chat_call(body, chat, tokenizer, model.max_model_len, request.state.request_id)
+        call = await off_loop(build_chat_call, body, chat, tokenizer, model.max_model_len, request.state.request_id)
         engine_call = engine.call(call.requests)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(call.requests))
         if body.stream:

@@ -74,7 +74,7 @@ def build_chat_call(
     raw = body.model_dump(exclude_none=True)
     chat = ChatRequest.from_body(raw)
     prompt = fmt.render_request(chat, raw)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)  # the rendered prompt holds its BOS
+    ids = tokenizer.encode(prompt, add_special_tokens=False, param="messages")  # the rendered prompt holds its BOS
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
     params, boundary, prompt_ids = sampling_params(body, len(ids), max_model_len), history_end(ids, tokenizer), tuple(ids)
     requests = [NewRequest(f"{response_id}-{tag}-{i}", prompt_ids, for_choice(params, i), cache_salt=body.cache_salt,

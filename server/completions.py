@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from contract import NewRequest, RequestOutput, SamplingParams, TokenLogprob
+from contract.config import ServerSection
 from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
 from server.protocol import (
@@ -30,6 +31,8 @@ from server.request_errors import ClientError, RequestFailed
 from server.streaming import DONE, StreamUsage, cached_tokens, choice_steps, error_frame, sse
 from server.tokenizer import TextTokenizer
 
+DEFAULT_SETTINGS = ServerSection()
+
 
 @dataclass
 class Generation:
@@ -44,12 +47,19 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
-def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer) -> list[list[int]]:
+def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer, max_prompts: int) -> list[list[int]]:
+    """Each prompt's token ids; a list of more than `max_prompts` strings or token lists is refused
+    before any is tokenized (each prompt is n engine requests: server/lifecycle.py counts them all)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         lists = [tokenizer.encode(prompt)]
     elif not prompt:
         raise ClientError("prompt must not be empty", "prompt")
+    elif not isinstance(prompt[0], int) and len(prompt) > max_prompts:
+        raise ClientError(
+            f"prompt holds {len(prompt)} prompts; this server takes at most {max_prompts} in one request "
+            "(server.max_prompts_per_request)", "prompt",
+        )
     elif all(isinstance(p, str) for p in prompt):
         lists = [tokenizer.encode(p) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
@@ -152,10 +162,12 @@ def legacy_logprobs(
 
 
 def build_requests(
-    body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int, base_id: str
+    body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int, base_id: str,
+    max_prompts: int = DEFAULT_SETTINGS.max_prompts_per_request,
 ) -> tuple[str, list[NewRequest]]:
-    """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt."""
-    prompts = prompt_token_lists(body, tokenizer)
+    """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt or
+    more than `max_prompts` of them (`server.max_prompts_per_request`)."""
+    prompts = prompt_token_lists(body, tokenizer, max_prompts)
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = []
     for p, ids in enumerate(prompts):

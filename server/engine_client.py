@@ -103,7 +103,7 @@ class EngineCall:
         self.queue.put_nowait((index, output))
 
     def interrupt(self, exc: Exception) -> None:
-        """The iteration raises `exc` at its next output (the server's drain timed out)."""
+        """The iteration raises `exc` at its next output (the server's drain timed out, the engine died)."""
         self.queue.put_nowait((-1, exc))
 
     def _end(self, index: int, finished: bool) -> None:
@@ -173,10 +173,15 @@ class EngineClient:
         self.stats = stats
 
     def on_engine_dead(self, reason: str) -> None:
-        """Engine side; thread-safe. Set first, so a request submitted after this sees it."""
+        """Engine side; thread-safe. Set first, so a request submitted after this sees it; every open
+        call then ends with EngineDeadError (a 503: the server's fault, and transient)."""
         self.dead_reason = reason
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def on_engine_restored(self) -> None:
+        """Engine side; thread-safe: a new engine process is ready, calls are served again."""
+        self.dead_reason = None
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
@@ -185,5 +190,5 @@ class EngineClient:
                 entry[0].deliver(entry[1], output)
 
     def _fail_all(self, reason: str) -> None:
-        for request_id, (call, index) in list(self._calls.items()):
-            call.deliver(index, RequestOutput(request_id, finished=True, finish_reason="error", error=reason))
+        for call in {id(call): call for call, _ in self._calls.values()}.values():
+            call.interrupt(EngineDeadError(reason))

@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import tempfile
 import threading
+from collections.abc import Callable
 
 import zmq
 
@@ -46,10 +47,12 @@ class EngineStartError(ValueError):
 
 
 class EngineProcess:
-    """A running engine process; the constructor returns only once the engine reported ready."""
+    """A running engine process; the constructor returns only once the engine reported ready. Its
+    outputs and stats go to `client`; its death (not a stop asked for) to `on_death(reason)`, once,
+    from the receiver thread."""
 
-    def __init__(self, config: ServeConfig, client: EngineClient) -> None:
-        self._client = client
+    def __init__(self, config: ServeConfig, client: EngineClient, on_death: Callable[[str], None]) -> None:
+        self._client, self._on_death = client, on_death
         self._workdir = tempfile.TemporaryDirectory(prefix="ds4serve-engine-")
         self._context = zmq.Context()
         self._requests = self._context.socket(zmq.PUSH)
@@ -147,8 +150,8 @@ class EngineProcess:
                 reason = f"the engine failed: {self._failure}"
             else:
                 reason = f"the engine process died ({self._exit_status()})"
-            log.error("%s; requests fail until the server is restarted", reason)
-            self._client.on_engine_dead(reason)
+            log.error("%s", reason)
+            self._on_death(reason)
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, StepOutputs):

@@ -1,10 +1,12 @@
 """Admission and drain of the HTTP front end: the 429 when the queue is full, and SIGTERM's drain.
 
 The front end counts the engine requests it has admitted and not yet seen end. Up to `max_num_seqs`
-of them run; the rest wait, and once `max_waiting` are waiting a new call gets 429 with Retry-After.
-This is the front end's own count, not the engine's stats (which arrive late), so a burst is refused
-at once. A call that alone needs more than the bound is still admitted when nothing else is in flight,
-so no valid request is refused forever.
+of them run; the rest wait, and a call whose requests (a completions call: prompts x n) do not all
+fit in the waiting places left gets 429 with Retry-After, as a whole: a call is never admitted in
+part, and never past `max_waiting`. This is the front end's own count, not the engine's stats (which
+arrive late), so a burst is refused at once. A call larger than the whole queue (`max_num_seqs` +
+`max_waiting`) could never be admitted, so it is the client's 400 (CallTooLarge), not a 429 to retry
+forever; every other call is admitted once the server is idle enough.
 
 Draining (the first SIGTERM or SIGINT): /health and /ready answer 503 at once, new generation calls
 get 503, and admitted calls get `drain_timeout_s` to finish. When that passes, `expired` is set: a
@@ -18,6 +20,8 @@ import asyncio
 import logging
 from typing import Self
 
+from server.request_errors import ClientError
+
 log = logging.getLogger("ds4serve.server")
 RETRY_AFTER_S = 1  # a waiting request usually leaves the queue within a decode burst
 EXPIRED_GRACE_S = 5.0  # how long cut-off calls get to send their error frames after the drain timeout
@@ -29,6 +33,16 @@ class QueueFull(Exception):
     def __init__(self, waiting: int) -> None:
         super().__init__(f"the server is busy ({waiting} requests waiting); retry later")
         self.retry_after_s = RETRY_AFTER_S
+
+
+class CallTooLarge(ClientError):
+    """A call with more engine requests than the queue holds at all: HTTP 400 naming `param`."""
+
+    def __init__(self, count: int, capacity: int, param: str) -> None:
+        super().__init__(
+            f"this request makes {count} generations (prompts x n); the server holds at most {capacity} at "
+            "once (scheduler.max_num_seqs + server.max_waiting): send fewer", param,
+        )
 
 
 class Draining(Exception):
@@ -69,12 +83,20 @@ class Lifecycle:
     def waiting(self) -> int:
         return max(0, self.in_flight - self.max_running)
 
-    def admit(self, count: int) -> Admission:
-        """Holds `count` engine requests' places until the admission is released; raises Draining or
-        QueueFull."""
+    @property
+    def capacity(self) -> int:
+        """Engine requests the front end holds at most: those running and those waiting."""
+        return self.max_running + self.max_waiting
+
+    def admit(self, count: int, param: str = "n") -> Admission:
+        """Holds `count` engine requests' places until the admission is released; raises Draining,
+        CallTooLarge (naming `param`, the field that made the call this large: n, or a completions
+        call's prompt list) or QueueFull."""
         if self.draining:
             raise Draining()
-        if self.in_flight and self.in_flight + count - self.max_running > self.max_waiting:
+        if count > self.capacity:
+            raise CallTooLarge(count, self.capacity, param)
+        if self.in_flight + count - self.max_running > self.max_waiting:
             raise QueueFull(self.waiting)
         self.in_flight += count
         self._idle.clear()

@@ -2,7 +2,9 @@
 
 Integers that travel to the engine are bounded here: its wire format (orjson) holds 64-bit integers
 only, and a value it cannot encode must be the client's 400, not a 500. Non-finite floats are refused
-for the same reason (JSON has none, but Python's parser accepts `NaN` and `Infinity`).
+for the same reason (JSON has none, but Python's parser accepts `NaN` and `Infinity`). Sampling floats
+keep vLLM's ranges (contract/sampling.py, which the engine checks again), so no value reaches the
+sampler as NaN logits: a positive temperature below MIN_TEMPERATURE is raised to it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from contract.sampling import (
+    MAX_LOGIT_BIAS,
+    MIN_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+)
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -42,16 +51,23 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     # keys are token ids as strings (JSON object keys), as OpenAI sends them
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
     # vLLM: requests only reuse prefix-cache state of requests with the same salt (tenants never share)
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_raised(cls, temperature: float) -> float:
+        """vLLM's rule: 0 < temperature < MIN_TEMPERATURE runs at MIN_TEMPERATURE (dividing the logits
+        by less overflows float32); 0 stays greedy."""
+        return MIN_TEMPERATURE if 0.0 < temperature < MIN_TEMPERATURE else temperature
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:

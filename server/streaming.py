@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from contract import RequestOutput
-from server.engine_client import EngineCall
+from server.engine_client import EngineCall, EngineDeadError
 from server.incremental_text import IncrementalText
 from server.protocol import Usage, error_body
 from server.request_errors import RequestFailed, ServerShuttingDown
@@ -28,7 +28,8 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def error_frame(exc: Exception) -> bytes:
-    if isinstance(exc, ServerShuttingDown):
+    """A stream's last frame before [DONE]: 503 for what is transient (shutdown, a dead engine), else 500."""
+    if isinstance(exc, (ServerShuttingDown, EngineDeadError)):
         return sse(error_body(str(exc), 503, "service_unavailable"))
     return sse(error_body(str(exc), 500, "internal_server_error"))
 

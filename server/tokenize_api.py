@@ -35,7 +35,8 @@ def tokenize(
     body: TokenizeRequest, tokenizer: TextTokenizer, max_model_len: int, render_chat: ChatRenderer | None
 ) -> TokenizeResponse:
     add_special_tokens = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-    ids = tokenizer.encode(_text(body, render_chat), add_special_tokens=add_special_tokens)
+    # not bounded by the context: /tokenize counts any text the body limit admits (as vLLM's does)
+    ids = tokenizer.encode(_text(body, render_chat), add_special_tokens=add_special_tokens, bounded=False)
     return TokenizeResponse(
         count=len(ids),
         max_model_len=max_model_len,

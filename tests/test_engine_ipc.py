@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from contract import (
@@ -37,7 +38,7 @@ from contract.config import load_config
 from engine.factory import build_engine_core
 from server.engine_client import EngineClient
 from server.engine_process import EngineProcess, EngineStartError
-from tests.serving import running_server
+from tests.serving import running_server, server_process
 
 PARAMS = SamplingParams(
     max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, ignore_eos=True, stop_token_ids=(4, 9),
@@ -77,7 +78,7 @@ def engine_config(checkpoint: Path):
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     client = EngineClient()
-    process = EngineProcess(engine_config(checkpoints["v41"]), client)
+    process = EngineProcess(engine_config(checkpoints["v41"]), client, client.on_engine_dead)
     client.connect(process)
     yield client, process
     process.stop()
@@ -170,7 +171,7 @@ def test_startup_failure_is_a_clear_error(checkpoints, tmp_path, monkeypatch):
     engines_before = _engine_children(os.getpid())
     expected = "the engine failed to start: CheckpointError: .*no \\*.safetensors"
     with pytest.raises(EngineStartError, match=expected) as failure:
-        EngineProcess(engine_config(broken), EngineClient())
+        EngineProcess(engine_config(broken), EngineClient(), lambda reason: None)
     assert isinstance(failure.value, ValueError)  # the CLI's `cannot start: ...`
     assert _engine_children(os.getpid()) == engines_before and not list(workdirs.iterdir())
 
@@ -218,38 +219,62 @@ def gone(pid: int, within: float = 15.0) -> bool:
     return False
 
 
-def test_killed_engine_fails_in_flight_requests_and_health_503(checkpoints):
+def in_flight_when_the_engine_is_killed(base: str, body: dict) -> tuple[tuple[int, list[str]], httpx.Response]:
+    """A stream and a plain call, both in flight (the engine stopped) when the engine is SIGKILLed."""
+    pid = engine_pid(base)
+    os.kill(pid, signal.SIGSTOP)  # the requests below stay in flight until the kill
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            results["stream"] = (response.status_code, list(response.iter_lines()))
+
+    def plain() -> None:
+        results["plain"] = httpx.post(base + "/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(60)
+    status, lines = results["stream"]
+    return (status, [line for line in lines if line]), results["plain"]
+
+
+def test_a_killed_engine_fails_in_flight_calls_with_503_and_is_started_again(checkpoints):
     with running_server(checkpoints["v41"], "tiny41", "--max-model-len", "256") as base:
-        pid = engine_pid(base)
         body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
-        os.kill(pid, signal.SIGSTOP)  # the requests below stay in flight until the kill
-        results: dict[str, object] = {}
-
-        def stream() -> None:
-            with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
-                results["stream"] = (response.status_code, list(response.iter_lines()))
-
-        def plain() -> None:
-            results["plain"] = httpx.post(base + "/v1/completions", json=body, timeout=60)
-
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for thread in threads:
-            thread.start()
-        time.sleep(1.0)
-        os.kill(pid, signal.SIGKILL)
-        for thread in threads:
-            thread.join(60)
-        status, lines = results["stream"]
-        frames = [line for line in lines if line]
+        first = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200
+        killed = engine_pid(base)
+        (status, frames), plain = in_flight_when_the_engine_is_killed(base, body)
         assert status == 200 and frames[-1] == "data: [DONE]" and "engine process died" in frames[-2]
-        plain_response = results["plain"]
-        assert plain_response.status_code == 500 and "engine process died" in plain_response.json()["error"]["message"]
-        health = httpx.get(base + "/health")
-        assert health.status_code == 503 and "killed by signal 9" in health.json()["error"]["message"]
-        assert httpx.get(base + "/v1/models").status_code == 200  # the HTTP server is still up
-        refused = httpx.post(base + "/v1/completions", json=body, timeout=60)
-        assert refused.status_code == 503 and "engine process died" in refused.json()["error"]["message"]
+        assert orjson.loads(frames[-2].removeprefix("data: "))["error"]["code"] == 503
+        assert plain.status_code == 503 and "engine process died" in plain.json()["error"]["message"]
+        statuses, deadline = set(), time.time() + 120
+        while time.time() < deadline:  # 503 while the new engine loads, then 200
+            health = httpx.get(base + "/health")
+            statuses.add(health.status_code)
+            if health.status_code == 200:
+                break
+            assert "killed by signal 9" in health.json()["error"]["message"]
+            time.sleep(0.1)
+        assert statuses == {503, 200}
+        assert engine_pid(base) != killed
+        again = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_past_its_restart_budget_the_server_exits_non_zero(checkpoints):
+    with server_process(checkpoints["v41"], "tiny41", "--max-model-len", "256",
+                        "--set", "server.engine_restarts=0") as server:
+        body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        (status, frames), plain = in_flight_when_the_engine_is_killed(server.base, body)
+        assert "engine process died" in frames[-2] and plain.status_code == 503
+        assert server.process.wait(30) == 1  # for compose's restart policy (or any supervisor) to act on
+        assert any("server.engine_restarts" in line for line in server.lines)
 
 
 def test_server_shutdown_stops_the_engine(checkpoints):

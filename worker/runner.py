@@ -43,7 +43,7 @@ from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
-from worker.sampler import DrawRow, prompt_logprobs, sample_rows
+from worker.sampler import NOT_DRAWABLE, DrawRow, prompt_logprobs, sample_rows
 
 
 @dataclass
@@ -57,7 +57,7 @@ class StepContext:
     graph_rows: list[DecodeRow] | None = None  # the step as decode rows, when a captured graph runs it
     batch: ForwardBatch | None = None  # otherwise the eager forward's flat batch (neither: nothing to compute)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its wanted rows' logits
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk could not be computed
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk could not be computed or drawn
     sampled: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
@@ -214,12 +214,17 @@ class ModelRunner:
 
     # -- sample -----------------------------------------------------------------------------------
     def _sample(self, step: StepContext) -> None:
-        """Every sampling chunk's draw in one batch, then the echo logprobs of the chunks that ask."""
+        """Every sampling chunk's draw in one batch, then the echo logprobs of the chunks that ask. A
+        row the sampler cannot draw (non-finite logits or distribution) fails its own request only."""
         drawing = [c for c in step.plan.chunks if c.sample and c.request_id not in step.errors]
         if drawing:
             logits = torch.stack([self._sampling_logits(step, chunk) for chunk in drawing])
             rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids) for c in drawing]
-            step.sampled = {c.request_id: token for c, token in zip(drawing, sample_rows(logits, rows))}
+            for chunk, token in zip(drawing, sample_rows(logits, rows)):
+                if token is None:
+                    step.errors[chunk.request_id] = NOT_DRAWABLE
+                else:
+                    step.sampled[chunk.request_id] = token
         for chunk in step.computed:
             if chunk.logprob_targets and chunk.request_id not in step.errors:
                 step.prompt_logprobs[chunk.request_id] = prompt_logprobs(
@@ -289,7 +294,10 @@ class ModelRunner:
         return None
 
     def close(self) -> None:
-        """The runner starts no processes; its memory goes with it."""
+        """Stops the Engram store's I/O thread (before the interpreter tears torch down); the runner's
+        memory goes with it."""
+        if self.model.engram_memory is not None:
+            self.model.engram_memory.close()
 
 
 def _refuse_drafts(plan: StepPlan) -> None:

@@ -20,10 +20,20 @@ Every other step is exact per element or reduces within a row, so each row comes
 
 Rows are independent draws with their own draw index, so a multi-token step (drafts to verify, a
 later issue) can put several rows of one request into one call.
+
+A row that cannot be drawn (its raw logits, its adjusted logits or its filtered distribution are not
+finite: NaN, +inf, or every token excluded) comes back as None, so that its request fails alone
+(worker/runner.py) and the step goes on: a NaN probability would make the batch's multinomial raise
+(on CUDA, a device assert that ends the process). Such a row's draw is replaced by token 0's before
+any draw kernel sees it, and as every step is per row, the other rows' tokens stay bitwise what they
+are without it. Checking costs no host read: a row that cannot be drawn reports a NaN logprob, which
+the one read of the chosen logprobs already brings back (a raw row with NaN or inf anywhere has NaN
+or inf as its chosen logprob by itself).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +41,10 @@ import torch
 
 from contract import SamplingParams, TokenLogprob
 from kernels import stable_topk
+
+# why a row that comes back as None fails its request (the client reads it)
+NOT_DRAWABLE = ("the next token cannot be sampled: the logits, or the distribution the sampling parameters "
+                "make of them, are not finite (NaN or infinite)")
 
 
 @dataclass(frozen=True)
@@ -62,21 +76,22 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top_n: int | N
 def sample(
     logits: torch.Tensor, params: SamplingParams, draw_index: int,
     prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = (),
-) -> TokenLogprob:
+) -> TokenLogprob | None:
     """logits: [vocab] float32 row for one sequence; draw_index: output tokens so far. The token
     histories are needed only when `params` has penalties; the returned logprobs are the raw logits'
-    log-softmax whatever shaped the draw."""
+    log-softmax whatever shaped the draw. None: the row cannot be drawn (see the module docstring)."""
     return sample_rows(logits[None], [DrawRow(params, draw_index, prompt_token_ids, output_token_ids)])[0]
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob]:
-    """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs."""
+def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob | None]:
+    """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs, or None
+    for a row whose logits or distribution are not finite (its request fails; the others are drawn)."""
     logprobs = torch.log_softmax(logits, dim=-1)
     if all(row.params.plain_at(row.draw_index) for row in rows):
-        tokens = torch.argmax(logits, dim=-1)
+        tokens, drawable = torch.argmax(logits, dim=-1), None  # a NaN / inf row shows in its chosen logprob
     else:
-        tokens = _draw(_adjusted(logits, rows), rows)
-    return _reported(logprobs, tokens, rows)
+        tokens, drawable = _draw(_adjusted(logits, rows), rows)
+    return _reported(logprobs, tokens, drawable, rows)
 
 
 def _adjusted(logits: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
@@ -134,15 +149,27 @@ def _penalize_counts(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
     logits[index] = logits[index] - (frequency * counts + presence * (counts > 0).to(logits.dtype))
 
 
-def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
-    """Each row's token: greedy rows the argmax, the others a draw from their filtered distribution."""
+def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token (greedy rows the argmax, the others a draw from their filtered distribution)
+    and whether it could be drawn. A greedy row's argmax lands on a NaN or +inf if it has one (or on
+    -inf if every token is), so its chosen logit is finite exactly when the row is usable; a drawn row
+    needs every probability finite, and one that has not draws from token 0's one-hot instead."""
     tokens = torch.empty(len(rows), dtype=torch.long, device=adjusted.device)
+    drawable = torch.empty(len(rows), dtype=torch.bool, device=adjusted.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
-        tokens[greedy] = torch.argmax(adjusted[greedy], dim=-1)
+        picked = adjusted[greedy]
+        best = torch.argmax(picked, dim=-1)
+        tokens[greedy] = best
+        drawable[greedy] = torch.isfinite(picked.gather(1, best[:, None])[:, 0])
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         probs = _filtered(adjusted[drawn], [rows[i].params for i in drawn]).softmax(-1)
+        finite = torch.isfinite(probs).all(dim=-1)
+        drawable[drawn] = finite
+        first_token = torch.zeros_like(probs)
+        first_token[:, 0] = 1.0
+        probs = torch.where(finite[:, None], probs, first_token)
         unseeded = []
         for j, i in enumerate(drawn):
             params = rows[i].params
@@ -155,7 +182,7 @@ def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
             generator = torch.Generator(device=probs.device)
             generator.seed()
             tokens[[drawn[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1, generator=generator)[:, 0]
-    return tokens
+    return tokens, drawable
 
 
 def _seeded(device: torch.device, seed: int, draw_index: int) -> torch.Generator:
@@ -192,9 +219,15 @@ def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     return logits
 
 
-def _reported(logprobs: torch.Tensor, tokens: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob]:
-    """Each row's token with its raw logprob and, where asked, its top-N: three host reads a step."""
+def _reported(
+    logprobs: torch.Tensor, tokens: torch.Tensor, drawable: torch.Tensor | None, rows: Sequence[DrawRow]
+) -> list[TokenLogprob | None]:
+    """Each row's token with its raw logprob and, where asked, its top-N: three host reads a step. A
+    row that could not be drawn, or whose raw logits are not finite, has a non-finite chosen logprob
+    and comes back as None."""
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    if drawable is not None:
+        chosen = torch.where(drawable, chosen, math.nan)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
     tops: dict[int, tuple[tuple[int, float], ...]] = {}
     if wanted:
@@ -203,7 +236,7 @@ def _reported(logprobs: torch.Tensor, tokens: torch.Tensor, rows: Sequence[DrawR
         for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
             top_n = rows[i].params.logprobs
             tops[i] = tuple(zip(row_ids[:top_n], row_values[:top_n]))
-    return [TokenLogprob(token_id=token, logprob=logprob, top=tops.get(i, ()))
+    return [TokenLogprob(token_id=token, logprob=logprob, top=tops.get(i, ())) if math.isfinite(logprob) else None
             for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist()))]
 
 

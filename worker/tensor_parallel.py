@@ -136,6 +136,7 @@ def rank_main(rank: int, world: int, master: tuple[str, int], config: "ServeConf
     channel = PlanChannel(group)
     while (plan := channel.receive()) is not None:
         runner.execute(plan)
+    runner.close()
     leave_group()
 
 
@@ -233,6 +234,7 @@ class WorkerPool:
         started = time.monotonic()
         num_pages = self.num_pages
         self._stop_ranks(graceful=False)
+        self.runner.close()
         self.runner = None  # the old cache and weights go before the new ones are built (stats read it: see engram_stats)
         self.runner, _ = self._start(num_pages=num_pages)
         self.restarts += 1
@@ -260,6 +262,8 @@ class WorkerPool:
         """Stops every rank (a stop plan, then kill after a grace period): no process outlives the pool."""
         self._closing.set()
         self._stop_ranks(graceful=self._dead is None)
+        if self.runner is not None:
+            self.runner.close()
 
     def _stop_ranks(self, graceful: bool) -> None:
         if self.channel is not None and graceful:

@@ -3,6 +3,11 @@
 Consumed fields: messages, tools, tool_choice, reasoning_effort, chat_template_kwargs,
 include_reasoning, parallel_tool_calls, add_generation_prompt, continue_final_message and
 documents. Everything else (sampling, stream, ...) belongs to other layers.
+
+Rendering and parsing walk these values recursively (copy.deepcopy, json.dumps, the template, the
+tool schemas), so a body nested deeper than MAX_NESTING is refused first, naming its field: past
+Python's recursion limit it would be a RecursionError (500). No real tool schema or message comes
+near the bound.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from typing import Any
 from server.chat.errors import ChatRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# objects and lists inside one top-level field; each frame of a recursive walk (deepcopy takes two a
+# level) stays far below the default recursion limit of 1000 with the server's own frames on top
+MAX_NESTING = 128
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -49,6 +57,7 @@ class ChatRequest:
     def from_body(body: Mapping[str, Any]) -> ChatRequest:
         if not isinstance(body, Mapping):
             raise ChatRequestError("the request body must be a JSON object")
+        _refuse_deep_nesting(body)
         tools = _tools(body.get("tools"))
         if body.get("continue_final_message") and body.get("add_generation_prompt"):
             raise ChatRequestError(
@@ -68,6 +77,21 @@ class ChatRequest:
             include_reasoning=include,
             parallel_tool_calls=parallel is not False,
         )
+
+
+def _refuse_deep_nesting(body: Mapping[str, Any]) -> None:
+    """Raises ChatRequestError naming the first top-level field nested deeper than MAX_NESTING
+    objects and lists; walks iteratively, so any depth is measured without recursion."""
+    for field, value in body.items():
+        stack = [(value, 1)]
+        while stack:
+            node, depth = stack.pop()
+            if not isinstance(node, (Mapping, list)):
+                continue
+            if depth > MAX_NESTING:
+                raise ChatRequestError(f"{field} is nested deeper than {MAX_NESTING} objects and lists", field)
+            children = node.values() if isinstance(node, Mapping) else node
+            stack.extend((child, depth + 1) for child in children)
 
 
 def _messages(raw: Any) -> tuple[RequestMessage, ...]:

@@ -1,0 +1,71 @@
+"""Issue 21 items 2 and 6: prompts too long to tokenize are refused unread, tokenizing runs off the
+event loop (the server answers others meanwhile), and lone surrogates are 400s, not 500s."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serving import running_server
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def base(checkpoints):
+    with running_server(checkpoints["v41"], "tiny", "--max-model-len", str(MAX_MODEL_LEN)) as url:
+        yield url
+
+
+def post(base: str, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(base + path, content=raw, headers={"content-type": "application/json"}, timeout=120)
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_without_tokenizing(base):
+    huge = "ab" * 4_000_000  # 8 MB of text: far more characters than 256 tokens can hold
+    response = httpx.post(base + "/v1/completions", json={"prompt": huge, "max_tokens": 1}, timeout=120)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "maximum context length is 256 tokens" in error["message"]
+    chat = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]}, timeout=120)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+def test_the_server_answers_while_a_large_text_is_tokenized(base):
+    text = "word " * 1_500_000  # 7.5 MB: /tokenize counts it whatever the context (as vLLM's does)
+    finished: dict[str, float] = {}
+
+    def tokenize() -> None:
+        response = httpx.post(base + "/tokenize", json={"prompt": text}, timeout=300)
+        assert response.status_code == 200 and response.json()["count"] > MAX_MODEL_LEN
+        finished["tokenize"] = time.monotonic()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    time.sleep(0.3)  # the body is in, the tokenizer at work
+    health = httpx.get(base + "/health", timeout=60)
+    finished["health"] = time.monotonic()
+    completion = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True},
+                            timeout=60)
+    finished["completion"] = time.monotonic()
+    worker.join(300)
+    assert health.status_code == 200 and completion.status_code == 200
+    assert finished["health"] < finished["tokenize"] and finished["completion"] < finished["tokenize"]
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+     "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(base, path, raw, param):
+    response = post(base, path, raw)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"]
+    assert httpx.get(base + "/health").status_code == 200
