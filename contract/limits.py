@@ -44,10 +44,10 @@ def validate_request(limits: EngineLimits, request: NewRequest) -> None:
     """Raises RequestRejected for a request the engine would refuse; pure, so the front end runs it too."""
     prompt = request.prompt_token_ids
     if not prompt:
-        raise RequestRejected("the prompt is empty")
+        raise RequestRejected("the prompt is empty", "prompt")
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
-        raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+        raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", "prompt")
     if len(prompt) + request.params.max_tokens > limits.max_model_len:
         raise RequestRejected(
             f"this model's maximum context length is {limits.max_model_len} tokens; the request has "

@@ -69,3 +69,9 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(base, path, raw, param):
     error = response.json()["error"]
     assert error["param"] == param and "lone surrogate" in error["message"]
     assert httpx.get(base + "/health").status_code == 200
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_prompt(base):
+    response = httpx.post(base + "/v1/completions", json={"prompt": [5, 999999], "max_tokens": 2}, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt" and "outside the vocabulary" in response.json()["error"]["message"]
