@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from server.draining import DrainingServer
+    from server.http_edge import OpenAIErrorH11Protocol
     from server.launch import build_server
 
     try:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     server_config = uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,  # uvicorn logs through our root handler
+        http=OpenAIErrorH11Protocol,  # malformed HTTP gets an OpenAI error body too
     )
     DrainingServer(server_config, app.state.lifecycle, app.state.engine_lost).run()
     return 1 if app.state.engine_lost.reason is not None else 0  # non-zero: the engine could not be kept up

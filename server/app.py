@@ -27,12 +27,22 @@ from starlette.types import Receive, Scope, Send
 
 from contract.config import ServerSection
 from server.chat import ChatFormat
-from server.chat_completions import build_chat_call, create_chat_completion, stream_chat_completion
+from server.chat_completions import (
+    build_chat_call,
+    create_chat_completion,
+    stream_chat_completion,
+)
 from server.chat_protocol import ChatCompletionRequest
 from server.completions import build_requests, create_completion, stream_completion
 from server.engine_client import EngineClient
 from server.http_edge import BearerKeys, BodyLimit, RequestIds
-from server.http_errors import ClientGone, UnknownModel, error_response, install_error_handlers
+from server.http_errors import (
+    ClientGone,
+    UnknownModel,
+    describe_error_statuses,
+    error_response,
+    install_error_handlers,
+)
 from server.lifecycle import Admission, Lifecycle
 from server.protocol import (
     CompletionRequest,
@@ -121,6 +131,11 @@ def create_app(
     lifecycle = Lifecycle(model.max_num_seqs, settings.max_waiting, settings.drain_timeout_s)
     app.state.lifecycle = lifecycle
     install_error_handlers(app)
+    generation = (404, 429, 503)  # an unknown model; the queue is full; the engine is down or draining
+    describe_error_statuses(app, {
+        "/health": (503,), "/ready": (503,), "/v1/completions": generation, "/v1/chat/completions": generation,
+        "/tokenize": (404,), "/detokenize": (404,),
+    }, OPEN_PATHS)
     # added innermost first: the request id wraps everything, so every response carries it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerKeys, keys=api_keys, open_paths=OPEN_PATHS)

@@ -7,15 +7,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from server.protocol import SamplingFields, Usage
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Any]
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -5,6 +5,9 @@ disconnect message pass through untouched (a non-streaming completion watches fo
 abort its engine requests). Order, outermost first: request ids (so every response, a 401 or 413 or
 an unexpected 500 included, carries `x-request-id`), then keys (an unauthenticated body is never
 read), then the body limit. Keys are compared in constant time and never logged.
+
+Below the ASGI app, OpenAIErrorH11Protocol gives uvicorn's own 400s (what h11 cannot parse, and a body
+framed by both Content-Length and Transfer-Encoding) the same OpenAI error body.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import h11
 import orjson
+from uvicorn.protocols.http.h11_impl import (
+    DEFAULT_MAX_INCOMPLETE_EVENT_SIZE,
+    H11Protocol,
+)
 
 from contract.logs import REQUEST_ID as LOGGED_REQUEST_ID
 from server.protocol import error_body
@@ -143,3 +151,49 @@ class BodyLimit:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+class _StrictH11Connection(h11.Connection):
+    """h11's parser plus one refusal it does not make: a request with both Content-Length and
+    Transfer-Encoding (RFC 9112 6.3: a server may reject it, and a proxy in front may frame it the
+    other way: request smuggling). Keeps the last parse error's reason for the 400's message."""
+
+    reason = "the request is not valid HTTP/1.1"
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as error:
+            self.reason = f"the request is not valid HTTP/1.1: {error}"
+            raise
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.reason = "the request has both Content-Length and Transfer-Encoding; send one"
+                raise h11.RemoteProtocolError(self.reason)
+        return event
+
+
+class OpenAIErrorH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol whose own 400 (a request line or chunked body h11 cannot parse, an
+    HTTP/0.9 line, Content-Length with Transfer-Encoding) is an OpenAI error body in JSON with an
+    `x-request-id`, not uvicorn's plain text. Pass as `uvicorn.Config(http=OpenAIErrorH11Protocol)`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        limit = self.config.h11_max_incomplete_event_size
+        self.conn = _StrictH11Connection(h11.SERVER, limit if limit is not None else DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+
+    def send_400_response(self, msg: str) -> None:
+        reason = getattr(self.conn, "reason", msg)
+        body = orjson.dumps(error_body(reason, 400, "invalid_request_error"))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close"), (REQUEST_ID_HEADER, uuid.uuid4().hex.encode())]
+        try:
+            output = self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
+            output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # a response had started already: too late for a body
+            output = b""
+        if output:
+            self.transport.write(output)
+        self.transport.close()

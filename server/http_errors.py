@@ -2,7 +2,7 @@
 
 | status | raised as |
 | --- | --- |
-| 400 | ClientError, ChatRequestError, RequestRejected, a body that fails validation or is not JSON / not UTF-8 |
+| 400 | ClientError, ChatRequestError, RequestRejected, a body that fails validation or is not JSON / not UTF-8, a body without `Content-Type: application/json` (the message says so) |
 | 401 | (server/http_edge.py: a missing or wrong key) |
 | 404 | UnknownModel, an unknown route |
 | 413 | (server/http_edge.py: a body over `server.max_body_bytes`) |
@@ -29,7 +29,7 @@ from contract import RequestRejected
 from server.chat import ChatRequestError
 from server.engine_client import EngineDeadError
 from server.lifecycle import Draining, QueueFull
-from server.protocol import error_body
+from server.protocol import ErrorResponse, error_body
 from server.request_errors import ClientError, RequestFailed, ServerShuttingDown
 
 
@@ -74,6 +74,20 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return (f"{param}: {reasons}" if param else reasons), param
 
 
+def json_typed(content_type: str | None) -> bool:
+    """`application/json` or `application/<anything>+json` (parameters such as charset aside): the
+    media types FastAPI parses a body as JSON for; any other body reaches validation as raw bytes."""
+    if not content_type:
+        return False
+    mime = content_type.partition(";")[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+def not_json_typed_message(content_type: str | None) -> str:
+    sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+    return f"the body must be a JSON object sent with Content-Type: application/json; this request has {sent}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     def handle(exc_type: type[Exception], status: int, kind: str = "invalid_request_error", named: bool = False) -> None:
         """`named`: the exception type carries the request field at fault (`param`)."""
@@ -98,8 +112,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, QueueFull)
         return error_response(429, str(exc), "rate_limit_error", headers={"retry-after": str(exc.retry_after_s)})
 
-    async def invalid_body(_: Request, exc: Exception) -> JSONResponse:
+    async def invalid_body(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        content_type = request.headers.get("content-type")
+        if not json_typed(content_type):  # FastAPI did not parse it: the fault is the header, not the fields
+            return error_response(400, not_json_typed_message(content_type), param="Content-Type")
         message, param = validation_message(exc.errors())
         return error_response(400, message, param=param)
 
@@ -115,3 +132,46 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QueueFull, queue_full)
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+# What each status means in /openapi.json; every one of them has the OpenAI error body.
+STATUS_MEANING = {
+    400: "a client mistake: a field that fails validation, a body that is not JSON, a bad x-request-id",
+    401: "a missing or wrong API key (when keys are set)",
+    404: "the model named is not the one served",
+    413: "the body is larger than server.max_body_bytes",
+    429: "the queue is full (Retry-After says when to try again)",
+    500: "the engine failed the request, or an unexpected error",
+    503: "the engine is not running or not ready, or the server is draining",
+}
+EVERY_ROUTE = (400, 413, 500)  # the edge middleware and the last-resort handler answer these on any route
+
+
+def describe_error_statuses(app: FastAPI, statuses: dict[str, tuple[int, ...]], open_paths: tuple[str, ...]) -> None:
+    """/openapi.json states the statuses actually sent: not FastAPI's 422 (a validation error is a 400
+    here), but 400/401/404/413/429/500/503 with the OpenAI error body. `statuses`: path -> what its
+    route answers beyond EVERY_ROUTE and 401 (which every path outside `open_paths` may answer)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(error_schema.pop("$defs", {}))
+        components["ErrorResponse"] = error_schema
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, operations in schema.get("paths", {}).items():
+            codes = {*EVERY_ROUTE, *statuses.get(path, ()), *(() if path in open_paths else (401,))}
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                for code in sorted(codes):
+                    responses[str(code)] = {"description": STATUS_MEANING[code], "content": error}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

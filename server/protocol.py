@@ -5,6 +5,9 @@ only, and a value it cannot encode must be the client's 400, not a 500. Non-fini
 for the same reason (JSON has none, but Python's parser accepts `NaN` and `Infinity`). Sampling floats
 keep vLLM's ranges (contract/sampling.py, which the engine checks again), so no value reaches the
 sampler as NaN logits: a positive temperature below MIN_TEMPERATURE is raised to it, as vLLM does.
+
+Flags, token ids and `logprobs` are strict, as vLLM's fields are: `stream: "yes"`, `tokens: [true]` or
+`logprobs: false` is a 400 naming the field, not quietly read as true / 1 / 0.
 """
 
 from __future__ import annotations
@@ -13,7 +16,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from contract.sampling import (
     MAX_LOGIT_BIAS,
@@ -27,8 +38,8 @@ INT32_MAX = 2**31 - 1
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: every chunk carries the usage so far
 
 
 class SamplingFields(BaseModel):
@@ -46,10 +57,10 @@ class SamplingFields(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
@@ -57,7 +68,7 @@ class SamplingFields(BaseModel):
     # keys are token ids as strings (JSON object keys), as OpenAI sends them
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
     # vLLM: requests only reuse prefix-cache state of requests with the same salt (tenants never share)
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
@@ -94,10 +105,10 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
     @property
     def sample_logprobs(self) -> int | None:
@@ -198,8 +209,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template adds BOS)
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None  # None: True for a prompt, False for messages (the template adds BOS)
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -217,7 +228,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(BaseModel):

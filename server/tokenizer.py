@@ -47,7 +47,9 @@ class TextTokenizer:
                     f"{len(text)} characters, more than that many tokens can hold (a token here is at most "
                     f"{self.max_token_chars} characters)", param)
         check_utf8(text, param)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # the batch call releases the GIL while it works (`encode` holds it: a large text would stall the
+        # event loop even from a worker thread)
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -35,25 +35,29 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_without_tokenizi
 
 
 def test_the_server_answers_while_a_large_text_is_tokenized(base):
-    text = "word " * 1_500_000  # 7.5 MB: /tokenize counts it whatever the context (as vLLM's does)
-    finished: dict[str, float] = {}
+    text = "word " * 1_500_000  # 7.5 MB: /tokenize counts it whatever the context (as vLLM's does); seconds of work
+    times: dict[str, float] = {}
 
     def tokenize() -> None:
+        began = time.monotonic()
         response = httpx.post(base + "/tokenize", json={"prompt": text}, timeout=300)
         assert response.status_code == 200 and response.json()["count"] > MAX_MODEL_LEN
-        finished["tokenize"] = time.monotonic()
+        times["tokenize"] = time.monotonic() - began
 
     worker = threading.Thread(target=tokenize)
     worker.start()
-    time.sleep(0.3)  # the body is in, the tokenizer at work
+    time.sleep(0.5)  # the body is in, the tokenizer at work
+    began = time.monotonic()
     health = httpx.get(base + "/health", timeout=60)
-    finished["health"] = time.monotonic()
+    times["health"] = time.monotonic() - began
     completion = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True},
                             timeout=60)
-    finished["completion"] = time.monotonic()
+    times["completion"] = time.monotonic() - began
     worker.join(300)
     assert health.status_code == 200 and completion.status_code == 200
-    assert finished["health"] < finished["tokenize"] and finished["completion"] < finished["tokenize"]
+    # relative, not a wall-clock bound: a tokenizer holding the event loop (or the GIL) makes these
+    # wait for most of the tokenizing
+    assert times["health"] < times["tokenize"] / 4 and times["completion"] < times["tokenize"] / 2, times
 
 
 @pytest.mark.parametrize("path, raw, param", [
