@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from contract import EngineReady, NewRequest, validate_request
+from contract import EngineReady, NewRequest
 from contract.config import ServeConfig
 from server.engine_client import EngineClient
 from server.engine_process import EngineProcess, EngineStartError
@@ -46,7 +46,7 @@ class EngineSupervisor:
         return len(self._restarts)
 
     def validate(self, request: NewRequest) -> None:
-        validate_request(self._process.ready.limits, request)
+        self._process.validate(request)  # against the limits the running engine announced
 
     def submit(self, request: NewRequest) -> None:
         self._process.submit(request)

@@ -181,11 +181,8 @@ def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, d
         fp8_linear_tc,
         fp8_linear_triton,
     )
-    from kernels.quant import quantize_fp8_blocks
-
     generator = torch.Generator(device).manual_seed(seed)
-    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
-    weight, scale = weight.to(device), scale.to(device)
+    weight, scale = random_fp8_weight(n, k, block, generator, device)
     x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
     if path == "splitk":
         got = fp8_linear_triton(x, weight, scale, block)
@@ -207,11 +204,8 @@ def check_fp8_linear_w8a8(rows: int, n: int, k: int, block: int, seed: int, devi
         fp8_linear_w8a8,
         fp8_linear_w8a8_reference,
     )
-    from kernels.quant import quantize_fp8_blocks
-
     generator = torch.Generator(device).manual_seed(seed)
-    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
-    weight, scale = weight.to(device), scale.to(device)
+    weight, scale = random_fp8_weight(n, k, block, generator, device)
     x = (torch.randn(rows, k, generator=generator, device=device) * 3).bfloat16()
     got = fp8_linear_w8a8(x, weight, scale, block, config)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n) and bool(torch.isfinite(got).all())
@@ -288,3 +282,11 @@ def check_engram_gather(rows: int, dim: int, ids: int, seed: int, device: str = 
 
 def test_engram_gather_kernel_is_bitwise_the_reference():
     check_engram_gather(rows=50, dim=96, ids=7, seed=0)
+
+
+def random_fp8_weight(n: int, k: int, block: int, generator: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [n, k] weight block-quantized as released (e4m3 values, power-of-two block scales), on `device`."""
+    from kernels.quant import quantize_fp8_blocks
+
+    weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
+    return weight.to(device), scale.to(device)
