@@ -6,6 +6,10 @@ it replaces, so a dispatch threshold is a measured choice.
 - moe: routed experts of one layer (256 experts of 4096 x 2048, top-6, random routing) for 1..32
   tokens: `experts_pairwise` (Triton), `experts_grouped` (torch._grouped_mm), with the bytes the
   distinct experts hold and the bandwidth that implies.
+- moe_mxfp4: the same layer with MXFP4 experts (as released): the pairwise kernels beside the
+  tensor-core kernels of kernels/moe_mxfp4.py (decode: `by_expert`, scanning; prefill: `sorted`, and
+  the reference's dequantizing loop), each with `dot_scaled`'s upcast and the bit decode, over a
+  sweep of block shapes; bytes are the distinct experts' packed bytes.
 - attention: decode attention over window 128 + 512 selected entries, 64 heads of 512: Triton vs
   the torch reference, per batch size.
 Times are CUDA-event medians of --repeats calls after 5 warm-up calls.
@@ -21,7 +25,9 @@ import torch
 
 from bench.slice_roofline import timed_ms
 from kernels.attention import decode_attention_reference, decode_attention_triton
-from kernels.moe import experts_grouped, experts_pairwise
+from kernels.moe import MXFP4Experts, experts_grouped, experts_pairwise, experts_reference
+from kernels.moe_mxfp4 import experts_by_expert, experts_sorted
+from kernels.quant import quantize_mxfp4
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -65,6 +71,57 @@ def sweep_pairwise_blocks(repeats: int) -> None:
                                   "ms": ms}), flush=True)
 
 
+def _mxfp4_layer(generator: torch.Generator, experts_total: int, dim: int, inter: int) -> tuple[MXFP4Experts, MXFP4Experts]:
+    """Random MXFP4 experts, quantized 16 at a time (a float32 copy of all 256 would take 25 GB)."""
+    projections = []
+    for rows, cols in ((2 * inter, dim), (dim, inter)):
+        parts = [quantize_mxfp4(torch.randn(16, rows, cols, device="cuda", generator=generator) / cols**0.5)
+                 for _ in range(experts_total // 16)]
+        projections.append(MXFP4Experts(torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])))
+    return projections[0], projections[1]
+
+
+def bench_moe_mxfp4(repeats: int) -> None:
+    generator = torch.Generator("cuda").manual_seed(3)
+    experts_total, dim, inter, top_k = 256, 4096, 2048, 6
+    gate_up, down = _mxfp4_layer(generator, experts_total, dim, inter)
+    per_expert = sum(w.codes[0].numel() + w.scales[0].numel() for w in (gate_up, down))
+    decode = [{"gate_up": (16, n, k, w), "down": (16, n, k, w)} for n, k, w in
+              ((32, 256, 4), (64, 256, 4), (64, 128, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8))]
+    prefill = [{"gate_up": (m, n, k, w), "down": (m, n, k, w)} for m, n, k, w in
+               ((64, 64, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8), (128, 128, 128, 8))]
+    for tokens in (1, 4, 8, 32, 64, 128, 512, 2048, 8192):
+        x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
+        scores = torch.rand(tokens, experts_total, device="cuda", generator=generator)
+        experts = scores.topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, device="cuda", generator=generator)
+        distinct = int(experts.unique().numel())
+        nbytes = distinct * per_expert
+        args = (x, weights, experts, gate_up, down, 0, 10.0, False)
+        want = experts_reference(*args) if tokens <= 2048 else None
+        runs = []
+        if tokens <= 128:
+            runs.append(("pairwise", None, lambda: experts_pairwise(*args)))
+            runs += [(f"by_expert_{'scaled' if s else 'bits'}", b, (lambda b=b, s=s: experts_by_expert(*args, blocks=b, scaled=s)))
+                     for b in decode for s in (True, False)]
+        if tokens >= 32:
+            runs += [(f"sorted_{'scaled' if s else 'bits'}", b, (lambda b=b, s=s: experts_sorted(*args, blocks=b, scaled=s)))
+                     for b in prefill for s in (True, False)]
+        if tokens >= 512:
+            runs.append(("reference", None, lambda: experts_reference(*args)))
+        for name, blocks, fn in runs:
+            try:
+                error = None if want is None else float((fn() - want).abs().max() / want.abs().max())
+                ms = median_ms(fn, repeats if tokens <= 512 else 5)
+            except Exception as exc:  # a block shape the compiler refuses: reported, the sweep goes on
+                print(json.dumps({"bench": "kernels.moe_mxfp4", "path": name, "tokens": tokens, "blocks": blocks,
+                                  "failed": repr(exc)[:300]}), flush=True)
+                continue
+            print(json.dumps({"bench": "kernels.moe_mxfp4", "path": name, "tokens": tokens, "pairs": tokens * top_k,
+                              "blocks": blocks, "distinct_experts": distinct, "ms": ms, "bytes": nbytes,
+                              "bytes_per_s": nbytes / ms * 1e3, "rel_err": error}), flush=True)
+
+
 def bench_attention(repeats: int) -> None:
     generator = torch.Generator("cuda").manual_seed(1)
     heads, dim, n_keys = 64, 512, 128 + 512
@@ -78,13 +135,18 @@ def bench_attention(repeats: int) -> None:
             print(json.dumps({"bench": "kernels.attention", "path": name, "batch": batch, "keys": n_keys, "ms": ms}), flush=True)
 
 
+BENCHES = {"moe": (bench_moe, sweep_pairwise_blocks), "moe_mxfp4": (bench_moe_mxfp4,), "attention": (bench_attention,)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--only", choices=sorted(BENCHES), help="one family (default: all)")
     args = parser.parse_args()
-    bench_moe(args.repeats)
-    sweep_pairwise_blocks(args.repeats)
-    bench_attention(args.repeats)
+    for name, benches in BENCHES.items():
+        if args.only in (None, name):
+            for bench in benches:
+                bench(args.repeats)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,21 @@ Experts outside this rank's run [first, first + held) contribute zero (tensor pa
 holds them).
 
 Weights are bf16 / float matrices [E, rows, cols], or MXFP4 as released (`MXFP4Experts`: E2M1 codes
-two a byte and an E8M0 exponent per 32 inputs, `model.quantization: checkpoint`), which the pairwise
-kernels decode as they stream them (4.25 bits a weight read instead of 16) and the reference
-dequantizes expert by expert. Prefill-sized batches of MXFP4 experts take the reference loop.
+two a byte and an E8M0 exponent per 32 inputs, `model.quantization: checkpoint`, kept in
+kernels/quant.py). With bf16 activations on the GPU they run on the tensor cores, each chosen expert
+read once for all its tokens (kernels/moe_mxfp4.py); the pairwise kernels decode them as they stream
+them for other dtypes, and the reference dequantizes expert by expert.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import dequantize_mxfp4
+from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, experts_by_expert, experts_sorted
+from kernels.quant import MXFP4Experts
 
 try:
     import triton
@@ -48,24 +49,6 @@ GATE_UP_BLOCKS = (16, 128)
 # step of ~170 sequences at top-6), the per-expert dequantizing loop beyond (prefill chunks)
 MXFP4_PAIRWISE_MAX_PAIRS = 1024
 DOWN_BLOCKS = (32, 64)
-
-
-@dataclass(frozen=True)
-class MXFP4Experts:
-    """One projection of every held expert as released: codes uint8 [E, rows, cols / 2] (low nibble =
-    even column), scales uint8 E8M0 exponents [E, rows, cols / 32]."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        held, rows, half = self.codes.shape
-        return torch.Size((held, rows, 2 * half))
-
-    def expert(self, local: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `local`'s matrix [rows, cols] in `dtype` (exact: an E2M1 value times a power of two)."""
-        return dequantize_mxfp4(self.codes[local], self.scales[local]).to(dtype)
 
 
 ExpertWeights = torch.Tensor | MXFP4Experts
@@ -189,11 +172,16 @@ def experts_on_device(
     first: int, limit: float, weight_before_down: bool,
 ) -> torch.Tensor:
     """The GPU path: pairwise kernels for a few pairs (a decode step of a small batch), grouped GEMMs
-    otherwise. MXFP4 experts: pairwise up to MXFP4_PAIRWISE_MAX_PAIRS pairs and whenever a graph is
-    being captured (the loop syncs), else the reference loop, which dequantizes each chosen expert."""
+    otherwise. MXFP4 experts with bf16 activations: the tensor-core kernels of kernels/moe_mxfp4.py
+    (scanning up to its MAX_SCAN_PAIRS, sorted beyond); other activation dtypes: pairwise up to
+    MXFP4_PAIRWISE_MAX_PAIRS pairs and whenever a graph is being captured (the loop syncs), else the
+    reference loop, which dequantizes each chosen expert."""
     if isinstance(gate_up, MXFP4Experts):
-        pairwise = experts.numel() <= MXFP4_PAIRWISE_MAX_PAIRS or torch.cuda.is_current_stream_capturing()
-        run = experts_pairwise if pairwise else experts_reference
+        if x.dtype == torch.bfloat16 and triton is not None:
+            run = experts_by_expert if experts.numel() <= MAX_SCAN_PAIRS else experts_sorted
+        else:
+            pairwise = experts.numel() <= MXFP4_PAIRWISE_MAX_PAIRS or torch.cuda.is_current_stream_capturing()
+            run = experts_pairwise if pairwise else experts_reference
     else:
         small = triton is not None and experts.numel() <= PAIRWISE_MAX_PAIRS
         run = experts_pairwise if small else experts_grouped

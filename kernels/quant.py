@@ -9,6 +9,8 @@ the end decode single values of these formats from their bits inside kernels (`t
 on the GPU, and lookup tables cost a gather per value).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -58,6 +60,24 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, block: int = MXF
     codes = torch.stack((low, high), dim=-1).flatten(-2)
     values = E2M1_VALUES.to(raw.device)[codes]
     return values * _as_float_scales(scale).repeat_interleave(block, dim=-1)
+
+
+@dataclass(frozen=True)
+class MXFP4Experts:
+    """One projection of every held expert as released: codes uint8 [E, rows, cols / 2] (low nibble =
+    even column), scales uint8 E8M0 exponents [E, rows, cols / 32]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        held, rows, half = self.codes.shape
+        return torch.Size((held, rows, 2 * half))
+
+    def expert(self, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s matrix [rows, cols] in `dtype` (exact: an E2M1 value times a power of two)."""
+        return dequantize_mxfp4(self.codes[local], self.scales[local]).to(dtype)
 
 
 def quantize_mxfp4(weight: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

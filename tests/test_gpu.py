@@ -444,6 +444,40 @@ def test_pairwise_mxfp4_experts_compiled_equal_the_reference():
     check_experts_pairwise(tokens=5, dtype=torch.bfloat16, seed=2, dim=256, inter=192, mxfp4=True, device="cuda")
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_mxfp4_tensor_core_experts_compiled_equal_the_reference(tokens):
+    """kernels/moe_mxfp4.py compiled, with the decode and prefill block shapes it dispatches and small
+    ones, at widths that are not multiples of the blocks and at V4-Flash's."""
+    from kernels.moe_mxfp4 import DECODE_BLOCKS, PREFILL_BLOCKS
+    from tests.test_triton_kernels import check_experts_mxfp4_tensor_cores
+
+    for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
+        check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks)
+    check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS)
+
+
+def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():
+    """The decode kernels never sync: a captured step replays to the eager result on new routing."""
+    from kernels.moe_mxfp4 import experts_by_expert
+    from kernels.quant import MXFP4Experts, quantize_mxfp4
+
+    generator = torch.Generator("cuda").manual_seed(5)
+    gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(8, 256, 128, device="cuda", generator=generator) / 11))
+    down = MXFP4Experts(*quantize_mxfp4(torch.randn(8, 128, 128, device="cuda", generator=generator) / 11))
+    x = torch.randn(4, 128, device="cuda", generator=generator).bfloat16()
+    experts = torch.randint(0, 8, (4, 6), device="cuda", generator=generator)
+    weights = torch.rand(4, 6, device="cuda", generator=generator)
+    args = lambda: (x, weights, experts, gate_up, down, 0, 7.0, False)  # noqa: E731 - read at replay time
+    experts_by_expert(*args())  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts_by_expert(*args())
+    experts.copy_(torch.randint(0, 8, (4, 6), device="cuda", generator=generator))
+    x.copy_(torch.randn(4, 128, device="cuda", generator=generator))
+    graph.replay()
+    assert torch.equal(captured, experts_by_expert(*args()))
+
+
 def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_engram_gather
 

@@ -124,6 +124,38 @@ def test_pairwise_experts_kernels_decode_mxfp4_weights():
     check_experts_pairwise(tokens=3, dtype=torch.float32, seed=1, dim=64, inter=96, mxfp4=True)
 
 
+def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVICE, dim: int = 64, inter: int = 96,
+                                     blocks: dict | None = None, routed: tuple[int, int] = (0, 8)) -> None:
+    """kernels/moe_mxfp4.py's decode (scanning) and prefill (sorted) kernels, with dot_scaled's upcast and
+    the bit decode, against the reference on MXFP4 weights; this rank holds experts [2, 6) of 8 and the
+    tokens choose among experts [routed[0], routed[1]). The tolerance is the reference's bf16 rounding
+    of gate / up, which the kernels keep in float32."""
+    from kernels.moe import MXFP4Experts, experts_reference
+    from kernels.moe_mxfp4 import experts_by_expert, experts_sorted
+    from kernels.quant import quantize_mxfp4
+
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=generator, device=device).bfloat16()
+    experts = torch.randint(*routed, (tokens, 3), generator=generator, device=device)
+    weights = torch.rand(tokens, 3, generator=generator, device=device)
+    gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(4, 2 * inter, dim, generator=generator, device=device) / dim**0.5))
+    down = MXFP4Experts(*quantize_mxfp4(torch.randn(4, dim, inter, generator=generator, device=device) / inter**0.5))
+    small = blocks or {"gate_up": (16, 32, 32, 4), "down": (16, 32, 32, 4)}
+    for before_down in (False, True):
+        args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
+        want = experts_reference(*args)
+        for run in (experts_by_expert, experts_sorted):
+            for scaled in (True, False):
+                got = run(*args, blocks=small, scaled=scaled)
+                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_mxfp4_tensor_core_experts_equal_the_reference():
+    """Row and column counts that are not multiples of the blocks; ~18 pairs an expert, more than a
+    block of 16 holds (the scanning kernel's second block of an expert); expert 1 is another rank's."""
+    check_experts_mxfp4_tensor_cores(tokens=24, seed=3, routed=(1, 5))
+
+
 def check_indexer_scores(batch: int, heads: int, dim: int, per_page: int, width: int, store_dtype: torch.dtype,
                          seed: int, device: str = DEVICE) -> None:
     from kernels.indexer import indexer_scores_reference, indexer_scores_triton

@@ -1,0 +1,281 @@
+"""MXFP4 routed experts on tensor cores, each chosen expert's weights read once per step.
+
+The pairwise kernels (kernels/moe.py) run one program per (token, expert) pair and decode the E2M1
+codes one value at a time on the CUDA cores: a batch of 32 tokens decodes and streams ~192 expert
+matrices where ~139 distinct ones exist, and the decoding arithmetic, not memory, bounds them (issue
+20: 7.5% of the bandwidth roofline at batch 32). Here one program owns one (expert, block of output
+rows) and multiplies every pair routed to that expert at once: a [pairs, K] x [K, rows] product on the
+tensor cores, the codes expanded to bf16 in registers (`tl.dot_scaled`, Triton's E2M1 + E8M0 upcast,
+or the bit decode below), so an expert's bytes cross the memory bus once however many tokens chose it.
+
+Two ways to find an expert's pairs, one kernel body:
+- decode (`experts_by_expert`, up to MAX_SCAN_PAIRS pairs): program (pair, row block) works only if its
+  pair is the (j x BLOCK_M)-th one routed to its expert; it scans the step's expert ids for that
+  expert's next BLOCK_M pairs. No sort, no host sync, two launches per layer (plus a memset): a decode
+  step can be captured.
+- prefill (`experts_sorted`): the pairs sorted by expert in torch and cut into blocks of BLOCK_M pairs
+  of one expert (a grouped GEMM over sorted tokens).
+Each pair's output row depends only on its own activations and its expert (the K order is fixed), so
+the sums are the same whichever pairs share a tile: deterministic and batch-invariant. Activations go
+to the tensor cores as bf16, as the bf16 model computes them; accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.quant import MXFP4Experts
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.quant import _e8m0_to_float
+except ImportError:  # CPU-only installs: the reference path runs
+    triton = None
+
+# pairs (tokens x top-k) up to which the decode kernels scan the step's expert ids in every program
+MAX_SCAN_PAIRS = 1024
+# (pairs, output rows, K step, warps) per program, and the upcast, from bench.kernels' moe_mxfp4 sweep
+# on the H200 (BENCHMARKS.md): decode with the bit decode, 16 x 64 x 128 (the best or within 10% of it
+# from 4 to 128 tokens); prefill with dot_scaled, 64 x 64 x 128 (best from 32 to 2048 tokens, 10%
+# behind 128 x 128 x 128 at 8192)
+Blocks = dict[str, tuple[int, int, int, int]]
+DECODE_BLOCKS: Blocks = {"gate_up": (16, 64, 128, 4), "down": (16, 64, 128, 4)}
+PREFILL_BLOCKS: Blocks = {"gate_up": (64, 64, 128, 4), "down": (64, 64, 128, 4)}
+
+
+def experts_by_expert(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
+    first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = DECODE_BLOCKS,
+    scaled: bool = False,
+) -> torch.Tensor:
+    """`experts_reference`'s contract (kernels/moe.py) for bf16 x and MXFP4 weights, at most
+    MAX_SCAN_PAIRS pairs. `scaled`: Triton's `dot_scaled` upcast, else the bit decode here."""
+    tokens, k = experts.shape
+    pairs = tokens * k
+    if pairs > MAX_SCAN_PAIRS:
+        raise ValueError(f"{pairs} (token, expert) pairs: the scanning kernels take at most {MAX_SCAN_PAIRS}")
+    expert_of = _local_experts(experts, first, gate_up.shape[0])
+    table = _ScanTable(expert_of, pairs, triton.next_power_of_2(pairs))
+    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks, scaled)
+
+
+def experts_sorted(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
+    first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = PREFILL_BLOCKS,
+    scaled: bool = True,
+) -> torch.Tensor:
+    """The same for any number of pairs (prefill): pairs sorted by expert into blocks of one expert."""
+    tokens, k = experts.shape
+    held = gate_up.shape[0]
+    expert_of = _local_experts(experts, first, held)
+    table = _SortedTable.build(expert_of, held, blocks["gate_up"][0])
+    if blocks["down"][0] != blocks["gate_up"][0]:
+        raise ValueError("the sorted kernels share one block table: gate_up and down need the same BLOCK_M")
+    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks, scaled)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _local_experts(experts: torch.Tensor, first: int, held: int) -> torch.Tensor:
+    """Each pair's expert among this rank's [first, first + held), -1 for another rank's."""
+    local = experts.flatten() - first
+    return torch.where((local >= 0) & (local < held), local, -1).to(torch.int32).contiguous()
+
+
+class _ScanTable:
+    """Decode: the programs find their pairs by scanning `expert_of` (launch grid: one row per pair)."""
+
+    SORTED = False
+
+    def __init__(self, expert_of: torch.Tensor, pairs: int, pairs_pow2: int) -> None:
+        self.expert_of, self.programs, self.pairs_pow2 = expert_of, pairs, pairs_pow2
+        self.order = self.block_expert = self.block_start = self.block_end = expert_of  # unused operands
+
+
+class _SortedTable:
+    """Prefill: `order` lists the pairs by expert; block b covers order[block_start[b]:block_end[b]],
+    all of expert block_expert[b] (-1: past the last block). Shapes depend only on the pair count."""
+
+    SORTED = True
+
+    def __init__(self, order: torch.Tensor, block_expert: torch.Tensor, block_start: torch.Tensor,
+                 block_end: torch.Tensor) -> None:
+        self.order, self.block_expert, self.block_start, self.block_end = order, block_expert, block_start, block_end
+        self.programs, self.pairs_pow2 = block_expert.numel(), 1
+        self.expert_of = order
+
+    @classmethod
+    def build(cls, expert_of: torch.Tensor, held: int, block_m: int) -> _SortedTable:
+        pairs = expert_of.numel()
+        group = torch.where(expert_of >= 0, expert_of.long(), held)  # other ranks' pairs sort last
+        order = torch.argsort(group, stable=True).to(torch.int32)
+        counts = torch.zeros(held + 1, dtype=torch.long, device=expert_of.device)
+        counts.scatter_add_(0, group, torch.ones_like(group))
+        counts = counts[:held]
+        blocks = (counts + block_m - 1) // block_m
+        block_ends = torch.cumsum(blocks, 0)
+        pair_ends = torch.cumsum(counts, 0)
+        # sum of ceil(count / block_m) <= pairs / block_m + (experts with a pair)
+        most = pairs // block_m + min(pairs, held) + 1
+        block = torch.arange(most, device=expert_of.device)
+        expert = torch.searchsorted(block_ends, block, right=True)
+        inside = expert < held
+        expert = expert.clamp(max=held - 1)
+        start = pair_ends[expert] - counts[expert] + (block - (block_ends[expert] - blocks[expert])) * block_m
+        end = torch.minimum(start + block_m, pair_ends[expert])
+        block_expert = torch.where(inside, expert, -1).to(torch.int32)
+        return cls(order, block_expert, start.to(torch.int32), end.to(torch.int32))
+
+
+def _run(
+    x: torch.Tensor, weights: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
+    gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
+    blocks: Blocks, scaled: bool,
+) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the MXFP4 tensor-core experts take bf16 activations, got {x.dtype}")
+    tokens = x.shape[0]
+    pairs = expert_of.numel()
+    _, double_inter, dim = gate_up.shape
+    inter = double_inter // 2
+    x = x.contiguous()
+    weight = torch.where(expert_of >= 0, weights.flatten().float(), 0.0).contiguous()
+    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros(pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' pairs stay 0
+    shared = dict(SORTED=table.SORTED, PAIRS_POW2=table.pairs_pow2, SCALED=scaled, F32_DOT=_interpreting())
+    block_m, block_n, block_k, warps = blocks["gate_up"]
+    _gate_up_kernel[(table.programs, triton.cdiv(inter, block_n))](
+        x, expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight,
+        gate_up.codes, gate_up.scales, hidden, pairs, k, dim, inter, limit, weight_before_down,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **shared,
+    )
+    block_m, block_n, block_k, warps = blocks["down"]
+    _down_kernel[(table.programs, triton.cdiv(dim, block_n))](
+        hidden, expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight,
+        down.codes, down.scales, out, pairs, dim, inter, weight_before_down,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **shared,
+    )
+    return out.view(tokens, k, dim).sum(dim=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N, BLOCK_K / 2] code bytes (low nibble = even column) and [BLOCK_N, BLOCK_K / 32] E8M0
+        exponents -> the bf16 weights [BLOCK_N, BLOCK_K]. An E2M1 code's 3 magnitude bits placed at
+        bits 9-11 of a float16 are its value times 2 ** -14 (exponent 0 lands on float16's subnormals,
+        which convert exactly), its sign at bit 15: a few integer ops and one conversion a value."""
+        byte = codes.to(tl.int16)
+        nibble = tl.join(byte & 15, (byte >> 4) & 15).reshape(BLOCK_N, BLOCK_K)
+        half = (((nibble & 7) << 9) | ((nibble & 8) << 12)).to(tl.float16, bitcast=True)
+        scale = _e8m0_to_float(scales.to(tl.int32))
+        value = (half.to(tl.float32) * 16384.0).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
+        return value.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
+
+    @triton.jit
+    def _accumulate(acc, a, codes_ptr, scales_ptr, rows, in_rows, start, n_cols,
+                    SCALED: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc + a [BLOCK_M, BLOCK_K] @ W[rows, start:start + BLOCK_K].T for MXFP4 rows of `n_cols`
+        columns (`rows` counted from the stacked experts' first row; columns past n_cols read as 0)."""
+        half = start // 2 + tl.arange(0, BLOCK_K // 2)
+        group = start // 32 + tl.arange(0, BLOCK_K // 32)
+        codes = tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :],
+                        mask=in_rows[:, None] & (half < n_cols // 2)[None, :], other=0)
+        scales = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + group[None, :],
+                         mask=in_rows[:, None] & (group < n_cols // 32)[None, :], other=127)
+        if SCALED:
+            return tl.dot_scaled(a, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
+        w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K)
+        if F32_DOT:  # Triton's interpreter multiplies bf16 tiles wrongly; float32 holds these values exactly
+            return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+        return tl.dot(a, tl.trans(w), acc)
+
+    @triton.jit
+    def _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, pairs,
+                     SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(expert or -1 for no work, the block's pair ids [BLOCK_M], which of them exist) for
+        program_id(0). Scanning: program p works if its pair is the (j x BLOCK_M)-th routed to its
+        expert (counted in pair order) and takes that expert's next BLOCK_M pairs, so every expert's
+        pairs are covered once, one block per program, without a sort."""
+        program = tl.program_id(0)
+        slot = tl.arange(0, BLOCK_M)
+        if SORTED:
+            expert = tl.load(block_expert_ptr + program)
+            rows = tl.load(block_start_ptr + program) + slot
+            valid = rows < tl.load(block_end_ptr + program)
+            pair = tl.load(order_ptr + rows, mask=valid, other=0)
+        else:
+            index = tl.arange(0, PAIRS_POW2)
+            ids = tl.load(expert_of_ptr + index, mask=index < pairs, other=-1)
+            expert = tl.load(expert_of_ptr + program)
+            mine = (ids == expert).to(tl.int32)
+            rank = tl.cumsum(mine, 0) - 1
+            first = tl.sum(tl.where(index < program, mine, 0))  # this pair's rank among its expert's
+            expert = tl.where(first % BLOCK_M == 0, expert, -1)
+            wanted = first + slot
+            chosen = (mine[None, :] == 1) & (rank[None, :] == wanted[:, None])
+            pair = tl.sum(tl.where(chosen, index[None, :], 0), axis=1)
+            valid = wanted < tl.sum(mine)
+        return expert, pair, valid & ((slot * 0 + expert) >= 0)
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
+        codes_ptr, scales_ptr, hidden_ptr, pairs, k, dim, inter, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
+        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, SCALED: tl.constexpr, F32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
+                                           block_end_ptr, pairs, SORTED, PAIRS_POW2, BLOCK_M)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows = rows < inter
+        token = (pair // k).to(tl.int64)
+        base = tl.maximum(expert, 0).to(tl.int64) * 2 * inter
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # no work: no K steps (a bound, not a branch, so the loop stays one the compiler pipelines)
+        for start in range(0, tl.where(expert >= 0, dim, 0), BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + token[:, None] * dim + cols[None, :], mask=valid[:, None] & (cols < dim)[None, :],
+                        other=0.0)
+            gate = _accumulate(gate, a, codes_ptr, scales_ptr, base + rows, in_rows, start, dim,
+                               SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+            up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + rows, in_rows, start, dim,
+                             SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+        gate = tl.minimum(gate, limit)
+        hidden = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+        if WEIGHT_BEFORE_DOWN:
+            hidden = hidden * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+        tl.store(hidden_ptr + pair.to(tl.int64)[:, None] * inter + rows[None, :], hidden.to(tl.bfloat16),
+                 mask=valid[:, None] & in_rows[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        hidden_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
+        codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, WEIGHT_BEFORE_DOWN: tl.constexpr,
+        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, SCALED: tl.constexpr, F32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
+                                           block_end_ptr, pairs, SORTED, PAIRS_POW2, BLOCK_M)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows = rows < dim
+        row_of = pair.to(tl.int64)
+        base = tl.maximum(expert, 0).to(tl.int64) * dim
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, tl.where(expert >= 0, inter, 0), BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            a = tl.load(hidden_ptr + row_of[:, None] * inter + cols[None, :],
+                        mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
+            acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,
+                              SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+        if not WEIGHT_BEFORE_DOWN:
+            acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+        tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])
