@@ -7,21 +7,34 @@ folder may import it, and the HTTP process can talk to the engine without loadin
 
 from contract.executor import ModelExecutor
 from contract.limits import EngineLimits, RequestRejected, validate_request
-from contract.messages import Abort, EngineFailed, EngineReady, ModelFacts, Shutdown, StepOutputs
+from contract.messages import (
+    Abort,
+    CheckGrammar,
+    EngineFailed,
+    EngineReady,
+    GrammarChecked,
+    ModelFacts,
+    Shutdown,
+    StepOutputs,
+)
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
-from contract.stats import PREFETCH_WAIT_BUCKETS, EngineStats, EngramStats
+from contract.stats import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, StepTokens
 from contract.step import ChunkResult, ScheduledChunk, StateCopy, StepPlan, StepResult
+from contract.structured import StructuredOutput
 
 __all__ = [
     "PREFETCH_WAIT_BUCKETS",
+    "STEP_TOKEN_BUCKETS",
     "Abort",
+    "CheckGrammar",
     "ChunkResult",
     "EngineFailed",
     "EngineLimits",
     "EngineReady",
     "EngineStats",
     "EngramStats",
+    "GrammarChecked",
     "InvalidSamplingParams",
     "ModelExecutor",
     "ModelFacts",
@@ -35,6 +48,8 @@ __all__ = [
     "StepOutputs",
     "StepPlan",
     "StepResult",
+    "StepTokens",
+    "StructuredOutput",
     "TokenLogprob",
     "validate_request",
 ]

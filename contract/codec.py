@@ -19,9 +19,11 @@ import orjson
 from contract.limits import EngineLimits
 from contract.messages import (
     Abort,
+    CheckGrammar,
     EngineFailed,
     EngineReady,
     FromEngine,
+    GrammarChecked,
     ModelFacts,
     Shutdown,
     StepOutputs,
@@ -29,8 +31,9 @@ from contract.messages import (
 )
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import SamplingParams, TokenLogprob
-from contract.stats import EngineStats, EngramStats
+from contract.stats import EngineStats, EngramStats, StepTokens
 from contract.step import ScheduledChunk, StateCopy, StepPlan
+from contract.structured import StructuredOutput
 
 
 def encode(message: ToEngine | FromEngine) -> bytes:
@@ -60,8 +63,13 @@ def _token_logprob(body: dict[str, Any]) -> TokenLogprob:
     return TokenLogprob(token_id=body["token_id"], logprob=_logprob(body["logprob"]), top=top)
 
 
+def _params(body: dict[str, Any]) -> SamplingParams:
+    structured = body["structured"]
+    return SamplingParams(**{**_fields(body), "structured": None if structured is None else StructuredOutput(**structured)})
+
+
 def _request(body: dict[str, Any]) -> NewRequest:
-    return NewRequest(**{**_fields(body), "params": SamplingParams(**_fields(body["params"]))})
+    return NewRequest(**{**_fields(body), "params": _params(body["params"])})
 
 
 def _output(body: dict[str, Any]) -> RequestOutput:
@@ -81,13 +89,16 @@ def _ready(body: dict[str, Any]) -> EngineReady:
 
 def _stats(body: dict[str, Any]) -> EngineStats:
     engram = body["engram"]
-    return EngineStats(**{**body, "engram": None if engram is None else EngramStats(**_fields(engram))})
+    return EngineStats(**{**body, "engram": None if engram is None else EngramStats(**_fields(engram)),
+                          "step_tokens": StepTokens(**_fields(body["step_tokens"]))})
 
 
 _KINDS: dict[type, str] = {
     NewRequest: "add",
     Abort: "abort",
     Shutdown: "shutdown",
+    CheckGrammar: "check_grammar",
+    GrammarChecked: "grammar_checked",
     EngineReady: "ready",
     StepOutputs: "outputs",
     EngineStats: "stats",
@@ -97,6 +108,8 @@ _DECODERS: dict[str, Callable[[Any], ToEngine | FromEngine]] = {
     "add": _request,
     "abort": lambda body: Abort(**body),
     "shutdown": lambda body: Shutdown(),
+    "check_grammar": lambda body: CheckGrammar(body["check_id"], StructuredOutput(**body["structured"])),
+    "grammar_checked": lambda body: GrammarChecked(**body),
     "ready": _ready,
     "outputs": lambda body: StepOutputs(tuple(_output(output) for output in body["outputs"])),
     "stats": _stats,
@@ -111,7 +124,7 @@ def encode_plan(plan: StepPlan) -> bytes:
 def decode_plan(frame: bytes) -> StepPlan:
     body = orjson.loads(frame)
     chunks = tuple(
-        ScheduledChunk(**{**_fields(chunk), "params": SamplingParams(**_fields(chunk["params"]))})
+        ScheduledChunk(**{**_fields(chunk), "params": _params(chunk["params"])})
         for chunk in body["chunks"]
     )
     return StepPlan(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_API_KEY = "DS4SERVE_API_KEY"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,13 +30,28 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     path: str | None = None  # None: the embedded tiny default
-    served_name: str | None = None
+    # the name responses report, or several (vLLM's `--served-model-name A B`): the first is reported, every
+    # one is accepted in a request's `model` and listed by /v1/models
+    served_name: list[str] | None = Field(default=None, min_length=1)
+    # prompt + output; None or "auto": the model's position limit (max_position_embeddings; a longer one is
+    # refused at start). Unlike vLLM's auto it is not lowered to fit memory: the memory plan refuses what
+    # does not fit
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # none: every weight dequantized at load into `dtype` (what this version serves); checkpoint: FP8 / MXFP4
     # weights kept as the checkpoint stores them (the GPU fast path, issue 8: `plan` counts them so, serving
     # refuses it until then)
     quantization: Literal["none", "checkpoint"] = "none"
+
+    @field_validator("served_name", mode="before")
+    @classmethod
+    def _one_name(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _auto_length(cls, value: Any) -> Any:
+        return None if value == "auto" else value
 
 
 class ServerSection(Section):
@@ -56,6 +71,24 @@ class ServerSection(Section):
     # engine_restart_window_s; past that the server exits non-zero, for its supervisor to restart it
     engine_restarts: int = Field(default=3, ge=0)
     engine_restart_window_s: float = Field(default=600.0, gt=0)
+    # one INFO line per engine request (id, prompt tokens, sampling parameters; never the text), as vLLM's
+    # --enable-log-requests
+    log_requests: bool = False
+
+
+class ChatSection(Section):
+    """How chat requests become prompts. The chat format and its output parsers are chosen from the model's
+    type (server/chat/); the vLLM names below are checked against it at start, so a launch line written
+    for another model is refused instead of served wrongly."""
+
+    # a Jinja chat template (a file, or the template itself) that replaces the checkpoint's own; output is
+    # still parsed by the model's format
+    template: str | None = None
+    # chat_template_kwargs every chat request gets; a request's own keys win (e.g. {thinking: false})
+    default_template_kwargs: dict[str, Any] = {}
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: deepseek_v4 (V4) or deepseek_v41 (V4.1)
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: the above, or deepseek_r1 / deepseek_v3
+    tokenizer_mode: str = "auto"  # vLLM's --tokenizer-mode: auto / hf, or the model's deepseek_v4 / deepseek_v41
 
 
 class SchedulerSection(Section):
@@ -98,6 +131,9 @@ class RuntimeSection(Section):
     # decode steps replay CUDA graphs on the GPU (worker/cuda_graphs.py); true: every step eager, as vLLM's flag
     enforce_eager: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # vLLM's --speculative-config (e.g. {method: mtp, num_speculative_tokens: 2}); anything but empty is
+    # refused until speculative decoding is built (contract/features.py)
+    speculative_config: dict[str, Any] | None = None
 
 
 # the names of engram_store/build.py's RESIDENCIES registry (contract/ cannot import it: a test keeps them equal)
@@ -137,6 +173,7 @@ class OffloadSection(Section):
 class ServeConfig(Section):
     model: ModelSection = ModelSection()
     server: ServerSection = ServerSection()
+    chat: ChatSection = ChatSection()
     scheduler: SchedulerSection = SchedulerSection()
     memory: MemorySection = MemorySection()
     parallel: ParallelSection = ParallelSection()
@@ -150,8 +187,13 @@ class ServeConfig(Section):
         return Path(self.model.path) if self.model.path else DEFAULT_MODEL_DIR
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the model is served under, the reported one first."""
+        return tuple(self.model.served_name or (self.model_dir.name,))
+
+    @property
     def served_model_name(self) -> str:
-        return self.model.served_name or self.model_dir.name
+        return self.served_model_names[0]
 
     def api_keys(self, flag_key: str | None = None) -> tuple[str, ...]:
         if flag_key:
@@ -186,6 +228,13 @@ FLAG_KEYS = {
     "deterministic": "runtime.deterministic",
     "enforce_eager": "runtime.enforce_eager",
     "device": "runtime.device",
+    "speculative_config": "runtime.speculative_config",
+    "enable_log_requests": "server.log_requests",  # --disable-log-requests sets it false
+    "chat_template": "chat.template",
+    "default_chat_template_kwargs": "chat.default_template_kwargs",
+    "tool_call_parser": "chat.tool_call_parser",
+    "reasoning_parser": "chat.reasoning_parser",
+    "tokenizer_mode": "chat.tokenizer_mode",
 }
 
 
@@ -218,14 +267,23 @@ def load_config(
         if not sep or not key:
             raise ConfigFileError(f"--set {item!r}: expected key=value, e.g. scheduler.max_num_seqs=8")
         _set_dotted(tree, key.strip(), yaml.safe_load(raw), "--set")
+    set_by_flag = {}
     for flag, value in (flags or {}).items():
         if value is not None:
-            _set_dotted(tree, FLAG_KEYS[flag], value, f"--{flag.replace('_', '-')}")
+            set_by_flag[FLAG_KEYS[flag]] = f"--{flag.replace('_', '-')}"
+            _set_dotted(tree, FLAG_KEYS[flag], value, set_by_flag[FLAG_KEYS[flag]])
     try:
         return ServeConfig.model_validate(tree)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigFileError(f"{path}: {problems}") from None
+        raise ConfigFileError(f"{path}: {_problems(exc, set_by_flag)}") from None
+
+
+def _problems(exc: ValidationError, set_by_flag: dict[str, str]) -> str:
+    """Each problem with its key, and the flag that set the key if one did (the YAML did not say it)."""
+    problems = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        flag = next((set_by_flag[k] for k in set_by_flag if key == k or key.startswith(k + ".")), None)
+        where = f"{key} ({flag})" if flag else key
+        problems.append(f"{where}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
+    return "; ".join(problems)

@@ -1,8 +1,10 @@
 """The messages between the front end and the engine process (contract/codec.py puts them on the wire).
 
-Front end -> engine: a NewRequest, an Abort (a request id), Shutdown. Engine -> front end: EngineReady
-(once, after the model loaded), StepOutputs (one per step), EngineStats (when they change),
-EngineFailed (the engine cannot go on; its process exits after sending it).
+Front end -> engine: a NewRequest, an Abort (a request id), CheckGrammar (compile a request's output
+constraint before the request is made, so a bad one is the client's 400), Shutdown. Engine -> front
+end: EngineReady (once, after the model loaded), StepOutputs (one per step), EngineStats (when they
+change), GrammarChecked (a CheckGrammar's answer), EngineFailed (the engine cannot go on; its process
+exits after sending it).
 """
 
 from __future__ import annotations
@@ -12,11 +14,26 @@ from dataclasses import dataclass
 from contract.limits import EngineLimits
 from contract.requests import NewRequest, RequestOutput
 from contract.stats import EngineStats
+from contract.structured import StructuredOutput
 
 
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class CheckGrammar:
+    """Compile `structured` (the engine keeps the result in its cache for the request that follows)."""
+
+    check_id: str
+    structured: StructuredOutput
+
+
+@dataclass(frozen=True)
+class GrammarChecked:
+    check_id: str
+    error: str | None  # None: it compiled; else why not, for the client
 
 
 @dataclass(frozen=True)
@@ -61,5 +78,5 @@ class StepOutputs:
     outputs: tuple[RequestOutput, ...]
 
 
-ToEngine = NewRequest | Abort | Shutdown
-FromEngine = EngineReady | StepOutputs | EngineStats | EngineFailed
+ToEngine = NewRequest | Abort | CheckGrammar | Shutdown
+FromEngine = EngineReady | StepOutputs | EngineStats | GrammarChecked | EngineFailed

@@ -38,3 +38,9 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Durations the engine measures on its own clock (a monotonic clock is not comparable across
+    # processes, so the front end never subtracts engine timestamps): the seconds from the request's
+    # arrival at the engine to its first scheduling, on the output with its first tokens; and the
+    # seconds from its first scheduling to this output's tokens, on every output that carries tokens.
+    queue_time_s: float | None = None
+    inference_time_s: float | None = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from contract.structured import StructuredOutput
+
 # vLLM's ranges (vllm/sampling_params.py): below MIN_TEMPERATURE a positive temperature divides the
 # logits into inf / NaN in float32, so the HTTP layer raises it to MIN_TEMPERATURE as vLLM does
 # (server/protocol.py) and the engine refuses it; 0 is greedy.
@@ -49,6 +51,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of prompt + output: positive logits divided, negative multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     min_tokens: int = 0  # eos and stop_token_ids cannot be drawn before this many tokens
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these ids can be drawn (vLLM's field)
+    # vLLM's bad_words as token id sequences: a word's last id is banned whenever the output ends with
+    # the ids before it (a one-id word is banned always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    structured: StructuredOutput | None = None  # the output's grammar (engine/structured_outputs.py)
 
     @property
     def greedy(self) -> bool:
@@ -61,8 +68,20 @@ class SamplingParams:
 
     @property
     def penalizes_output(self) -> bool:
-        """The sampler needs the output's token ids (any penalty)."""
-        return self.penalizes_prompt or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """The sampler needs the output's token ids (any penalty, or a bad word of several ids: the
+        scheduler fills the histories only then)."""
+        return (self.penalizes_prompt or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or any(len(word) > 1 for word in self.bad_words))
+
+    def bad_word_bans(self, output_token_ids: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The ids bad_words ban after `output_token_ids`: each word's last id where the output ends with
+        the rest of the word."""
+        bans = []
+        for word in self.bad_words:
+            head = word[:-1]
+            if not head or tuple(output_token_ids[len(output_token_ids) - len(head):]) == head:
+                bans.append(word[-1])
+        return tuple(bans)
 
     def banned_at(self, draw_index: int) -> tuple[int, ...]:
         """The ids the draw at `draw_index` (output tokens before it) may not take: stop_token_ids
@@ -76,7 +95,8 @@ class SamplingParams:
         a draw not plain: a new sampling field that reshapes the draw joins it here. A method rather
         than a property because the ban depends on the draw index, and a multi-token step draws
         several indices of one request."""
-        reshaped = self.logit_bias or self.banned_at(draw_index) or self.penalizes_output
+        reshaped = (self.logit_bias or self.banned_at(draw_index) or self.penalizes_output or self.allowed_token_ids
+                    or self.bad_words or self.structured is not None)
         return self.greedy and not (reshaped or self.logprobs)
 
     def validate(self, vocab_size: int) -> None:
@@ -85,7 +105,9 @@ class SamplingParams:
         vocabulary, min_tokens past max_tokens. The HTTP schema checks the ranges first; this is the
         engine boundary's check, whoever builds the params."""
         self._validate_ranges()
-        for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        checked = (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids),
+                   ("allowed_token_ids", self.allowed_token_ids), ("bad_words", [t for w in self.bad_words for t in w]))
+        for param, ids in checked:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidSamplingParams(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)

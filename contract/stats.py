@@ -6,6 +6,23 @@ from dataclasses import dataclass
 
 # Upper edges (seconds) of the Engram prefetch-wait histogram that the engine reports.
 PREFETCH_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Upper edges (tokens) of the tokens-per-step histogram: vLLM's vllm:iteration_tokens_total buckets.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Tokens run by each engine step since start, as a cumulative histogram (`buckets`: counts per
+    STEP_TOKEN_BUCKETS edge). A step is its own observation, so the engine accumulates it: the stats
+    it sends about once a second could not carry every step."""
+
+    count: int = 0
+    total: int = 0
+    buckets: tuple[int, ...] = (0,) * len(STEP_TOKEN_BUCKETS)
+
+    def observe(self, tokens: int) -> StepTokens:
+        buckets = tuple(n + (tokens <= edge) for n, edge in zip(self.buckets, STEP_TOKEN_BUCKETS))
+        return StepTokens(self.count + 1, self.total + tokens, buckets)
 
 
 @dataclass(frozen=True)
@@ -38,5 +55,6 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which found there
     steps: int = 0
     last_step_tokens: int = 0
+    step_tokens: StepTokens = StepTokens()
     engram: EngramStats | None = None  # None: the model has no tiered Engram store
     unhealthy: str | None = None  # why the executor cannot run steps now (a tensor-parallel restart)

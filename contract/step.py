@@ -32,6 +32,9 @@ class ScheduledChunk:
     # tokens proposed to follow token_ids (a speculative step), computed after them and verified by
     # drawing at each: only a sampling chunk carries them; the scheduler sets none yet
     draft_token_ids: tuple[int, ...] = ()
+    # the tokens this chunk's draw may take, one bit per token id (bit i % 32 of word i // 32, words
+    # as int32 values), from the request's grammar (engine/structured_outputs.py); empty: any token
+    token_bitmask: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from contract import EngineLimits, ModelFacts
-from contract.config import DEFAULT_MODEL_DIR
+from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.admission import MemoryPlan, plan_pages
 from engine.loop import EngineCore, OutputSink
 from engine.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
@@ -72,7 +72,16 @@ def resolve_dtype(config: "ServeConfig", device: str) -> torch.dtype:
 
 
 def max_model_len(config: "ServeConfig", model_config: ModelConfig) -> int:
-    return config.model.max_model_len or model_config.max_position_embeddings
+    """model.max_model_len, or the model's position limit when unset. Past that limit positions have no
+    trained meaning (RoPE / YaRN run out), so a longer one is refused, as vLLM refuses it."""
+    limit = model_config.max_position_embeddings
+    wanted = config.model.max_model_len
+    if wanted is not None and wanted > limit:
+        raise ConfigFileError(
+            f"model.max_model_len (--max-model-len) {wanted} is past the model's position limit {limit}"
+            " (max_position_embeddings in its config.json); lower it or leave it out"
+        )
+    return wanted or limit
 
 
 def engram_options(config: "ServeConfig") -> EngramOptions:

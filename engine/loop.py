@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from contract import EngineStats, ModelExecutor, NewRequest, RequestOutput
+from contract import EngineStats, ModelExecutor, NewRequest, RequestOutput, StepTokens
 from scheduler import Scheduler
 
 log = logging.getLogger("ds4serve.engine")
@@ -28,6 +28,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self.step_tokens = StepTokens()  # swapped whole, so stats() reads it from another thread
         self.failure: str | None = None  # why the loop thread ended, if it failed
 
     def start(self) -> None:
@@ -50,7 +51,7 @@ class EngineCore:
             running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
             pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
-            engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
+            step_tokens=self.step_tokens, engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
         )
 
     def submit(self, request: NewRequest) -> None:
@@ -103,6 +104,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.has_work:
             return
+        if plan.num_tokens:  # a step of state copies only runs no tokens
+            self.step_tokens = self.step_tokens.observe(plan.num_tokens)
         try:
             result = self.executor.execute(plan)
         except Exception as exc:  # a failing step fails its requests, not the engine

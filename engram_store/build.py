@@ -158,7 +158,7 @@ def _open_tables(inputs: TierInputs, layers: dict[int, int], paths: dict[int, Pa
     if missing:
         log.info("converting Engram layers %s of %s into %s", sorted(missing.values()), inputs.model_dir,
                  inputs.directory)
-        convert_tables(inputs.model_dir, inputs.directory, inputs.layout, scale_layout, progress=False,
+        convert_tables(inputs.model_dir, inputs.directory, inputs.layout, scale_layout, progress=True,
                        layers=set(missing.values()))
         headers.update({index: open_table(paths[index], digests[index]) for index in missing})
     return {index: headers[index] for index in layers}  # in the layers' order, as the reader's files are

@@ -7,12 +7,15 @@ Conversion streams: rows are read from safetensors a block at a time, so memory 
 whatever the table size (the released tables are ~98 GB each). fp8 tables keep their power-of-two
 scales as e8m0 bytes; float tables keep float32 scales. Each header records the digest of the tensors
 it was converted from (source.py), so the server can tell a table of this checkpoint from another's.
+With `progress`, each table shows its bytes written, rate and time left as "Engram table i of N"
+(contract/progress.py: a bar on a terminal, else a log line now and then).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import sys
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from contract.progress import Progress
 from engram_store.format import (
     PAGE,
     StaleTableError,
@@ -37,6 +41,7 @@ from engram_store.source import source_digest, source_tensors
 from engram_store.spec import checkpoint_spec
 
 ROWS_PER_BLOCK = 1 << 16
+log = logging.getLogger("ds4serve.engram")
 
 
 def table_file(directory: Path, layer_id: int) -> Path:
@@ -55,15 +60,18 @@ def _scale_bytes(scales: torch.Tensor, dtype: str) -> np.ndarray:
     return _as_bytes(scales.float())
 
 
-def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarray, np.ndarray]], progress: bool = False) -> TableHeader:
+def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarray, np.ndarray]], progress: bool = False,
+                label: str | None = None) -> TableHeader:
     """Writes a table from blocks of (value bytes [n, value_bytes], scale bytes [n, scale_bytes]) rows.
-    Returns the header as written (with the scale section checksum)."""
+    Returns the header as written (with the scale section checksum). `label` names the table in the
+    progress (default: the file's name)."""
     tmp = path.with_suffix(".partial")
     per_page, separate = header.rows_per_page, header.scale_layout == "separate"
     scale_crc, written, page_no = 0, 0, 1
     pending_values: list[np.ndarray] = []
     scale_chunks: list[np.ndarray] = []
-    with open(tmp, "wb") as out:
+    shown = Progress(label or path.name, header.rows * (header.value_bytes + header.scale_bytes), log, enabled=progress)
+    with open(tmp, "wb") as out, shown:
         out.write(b"\0" * PAGE)  # header last, once the checksums are known
 
         def flush(rows: np.ndarray) -> None:
@@ -88,8 +96,7 @@ def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarr
                 flush(joined[:whole])
                 pending_values = [joined[whole:]] if whole < buffered else []
             written += values.shape[0]
-            if progress:
-                print(f"\r{path.name}: {written}/{header.rows} rows ({100 * written // max(header.rows, 1)}%)", end="", file=sys.stderr)
+            shown.update(values.nbytes + scales.nbytes)
         if pending_values:
             flush(np.concatenate(pending_values))
         if written != header.rows:
@@ -102,8 +109,6 @@ def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarr
         out.write(final.encode())
         out.flush()
         os.fsync(out.fileno())
-    if progress:
-        print(file=sys.stderr)
     tmp.replace(path)
     return final
 
@@ -138,8 +143,9 @@ def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_l
     files = tensor_files(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    converting = [layer for layer in layout.layer_ids if layers is None or layer in layers]
     for index, layer in enumerate(layout.layer_ids):
-        if layers is not None and layer not in layers:
+        if layer not in converting:
             continue
         sources = source_tensors(files, layer, model_dir)
         name, *scale_names = sources
@@ -166,7 +172,8 @@ def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_l
                     yield _as_bytes(values[start:end]), _scale_bytes(block_scales, scale_dtype)
 
             path = table_file(out_dir, layer)
-            write_table(path, header, blocks(), progress=progress)
+            label = f"Engram table {converting.index(layer) + 1} of {len(converting)} (layer {layer})"
+            write_table(path, header, blocks(), progress=progress, label=label)
             written.append(path)
     return written
 
@@ -225,6 +232,7 @@ def main_convert() -> None:
     parser.add_argument("--out", type=Path, help="default: MODEL_DIR/engram")
     parser.add_argument("--scales", choices=["inline", "separate"], default="inline")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress lines when not on a terminal
     for path in convert_checkpoint(args.model_dir, args.out or args.model_dir / "engram", args.scales):
         print(json.dumps({"table": str(path), "bytes": path.stat().st_size}))
 

@@ -18,6 +18,10 @@ Tensor parallel (`tp`): the model is built at this rank's shard sizes and each s
 read as its slice of the stored tensor (safetensors `get_slice`; quantized ones by the scale blocks
 that cover the slice), so a rank never reads the parts other ranks hold; other ranks' per-expert
 tensors are not read at all. Replicated parameters are read whole on every rank.
+
+Progress (contract/progress.py): rank 0 shows the bytes read as they are read, out of the checkpoint's
+tensor bytes (from the files' headers) on one rank; with several ranks each reads only its shards, so the
+bar shows bytes and rate without a total. Engram tables are read after it, one read per table.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from contract.progress import Progress
 from engram_store.store import EngramOptions
 from kernels import dequantize_fp8_blocks, dequantize_mxfp4
 from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, _as_float_scales
@@ -82,6 +87,15 @@ class TensorSource:
     def names(self) -> set[str]:
         return set(self.files)
 
+    def stored_bytes(self, skip: tuple[str, ...] = ()) -> int:
+        """Bytes of the stored tensors whose names do not start with `skip`, from the files' headers
+        (reads no tensor)."""
+        sizes: dict[str, int] = {}
+        for file in set(self.files.values()):
+            if file.exists():
+                sizes.update(_header_bytes(file))
+        return sum(size for name, size in sizes.items() if name in self.files and not name.startswith(skip))
+
     def get(self, name: str) -> torch.Tensor:
         return self._counted(self._handle(name).get_tensor(name))
 
@@ -108,6 +122,14 @@ class TensorSource:
     def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def _header_bytes(file: Path) -> dict[str, int]:
+    """Each tensor's byte length in one safetensors file, from its JSON header (8-byte length, then JSON)."""
+    with open(file, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return {name: entry["data_offsets"][1] - entry["data_offsets"][0]
+            for name, entry in header.items() if name != "__metadata__"}
 
 
 def _module_scale_name(name: str) -> str | None:
@@ -306,25 +328,30 @@ def load_model(
     reader = WeightReader(TensorSource(directory), fp8_block(directory / "config.json"))
     index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
     fp8_modules = _fp8_linears(model, reader, index) if keep_quantized else set()
-    for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if full_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        owner, _, leaf = full_name.rpartition(".")
-        if owner in fp8_modules:
-            if leaf == "weight":
-                stored = index.direct.get(full_name, full_name)
-                values, scale = reader.read_stored(stored, tensor.shape, shard_of(model, full_name), "fp8")
-                _assign(model, full_name, values.to(device))
-                _assign(model, f"{owner}.weight_scale", scale.to(device))
-            continue
-        if keep_quantized and isinstance(model.get_submodule(owner), Experts):
-            packed = _read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
-            if packed is not None:
-                model.get_submodule(owner).keep_packed(leaf, packed[0].to(device), packed[1].to(device))
+    ignored = IGNORED_PREFIXES + (("model.engram_tables.",) if config.engram is not None else ())  # disk tiers read files
+    total = reader.source.stored_bytes(ignored) if tp.world_size == 1 else None
+    with Progress(f"loading {directory.name}", total, log, enabled=tp.rank == 0) as progress:
+        for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            progress.update(reader.source.bytes_read - progress.done)  # what the parameter before read
+            if full_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
-        value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
-        value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
-        _assign(model, full_name, value)
+            owner, _, leaf = full_name.rpartition(".")
+            if owner in fp8_modules:
+                if leaf == "weight":
+                    stored = index.direct.get(full_name, full_name)
+                    values, scale = reader.read_stored(stored, tensor.shape, shard_of(model, full_name), "fp8")
+                    _assign(model, full_name, values.to(device))
+                    _assign(model, f"{owner}.weight_scale", scale.to(device))
+                continue
+            if keep_quantized and isinstance(model.get_submodule(owner), Experts):
+                packed = _read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+                if packed is not None:
+                    model.get_submodule(owner).keep_packed(leaf, packed[0].to(device), packed[1].to(device))
+                    continue
+            value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+            value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
+            _assign(model, full_name, value)
+        progress.update(reader.source.bytes_read - progress.done)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.engram is not None:
@@ -332,7 +359,6 @@ def load_model(
             model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram, tp)
         except ConfigError as exc:
             raise CheckpointError(f"{directory}: {exc}") from exc
-    ignored = IGNORED_PREFIXES + (("model.engram_tables.",) if config.engram is not None else ())  # disk tiers read files
     unexpected = sorted(name for name in reader.source.names() - reader.consumed if not name.startswith(ignored))
     if unexpected:
         shown = ", ".join(repr(n) for n in unexpected[:5])

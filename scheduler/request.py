@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from contract import NewRequest, SamplingParams
@@ -28,6 +29,10 @@ class Request:
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
     logits_position: int = -1  # computed tokens when the slot's last logits were produced
+    # time.monotonic() of its arrival and first scheduling: its outputs report queue and inference
+    # times from these, as durations
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
 
     @property
     def request_id(self) -> str:

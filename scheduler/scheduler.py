@@ -16,6 +16,7 @@ The copies this needs (slot snapshots, a partial page) ride in the next StepPlan
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -106,6 +107,8 @@ class Scheduler:
                 break  # admission never preempts
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.scheduled_at is None:  # a preempted request's queue time ended at its first admission
+                request.scheduled_at = time.monotonic()
             self.running.append(request)
             chunks.append(self._chunk(request, budget))
             scheduled.add(request.request_id)
@@ -242,6 +245,9 @@ class Scheduler:
         if reason is not None:
             # dropped drafts were computed: the slot's state is past the kept tokens, so no end point
             self._release(request, RequestStatus.FINISHED, reason, take_point=len(kept) == len(tokens))
+        scheduled_at = request.scheduled_at
+        assert scheduled_at is not None, "tokens of a request never scheduled"
+        first = len(request.output_token_ids) == len(kept)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=tuple(sampled.token_id for sampled in kept),
@@ -251,6 +257,8 @@ class Scheduler:
             finish_reason=reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
+            queue_time_s=scheduled_at - request.arrived_at if first else None,
+            inference_time_s=time.monotonic() - scheduled_at,
         )
 
     def _stop_reason(self, request: Request, token: int) -> str | None:

@@ -1,12 +1,14 @@
 """`python -m server`: serve a DeepSeek-V4 checkpoint over an OpenAI-compatible HTTP API.
 
-    python -m server [--model DIR] [--config YAML] [--set key=value ...] [--host H] [--port P]
+    python -m server [serve] [MODEL] [--config YAML] [--set key=value ...] [vLLM-style flags]
     python -m server plan --config YAML [--set key=value ...]   # the memory plan only (engine/plan.py)
 
-Without --model (and no model.path in the YAML) it serves the embedded tiny default, building it
-first if absent. Logs go to stderr as text or, with `--log-format json`, one JSON object per line
-(contract/logs.py). A config that asks for a feature this version does not run is refused
-before anything starts (contract/features.py).
+The command line is vLLM's (server/cli.py; `--help` lists every flag). Without a model (no MODEL,
+--model or model.path in the YAML) it serves the embedded tiny default, building it first if absent.
+Logs go to stderr as text or, with `--log-format json`, one JSON object per line (contract/logs.py).
+A config or flag that asks for a feature this version does not run is refused before anything starts
+(contract/features.py, server/cli.py), exit code 2 as for any config error. Once the server listens
+it logs a summary: its URL, the model, the limits, whether a key is required, the endpoints.
 
 SIGTERM or SIGINT drains: /health and /ready turn 503 at once, new completions get 503, in-flight
 ones get `server.drain_timeout_s` to finish (streams still running then end with an error frame and
@@ -17,7 +19,7 @@ the process exits 1, for a supervisor to restart it.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
 import sys
 
@@ -25,31 +27,10 @@ from contract.config import FLAG_KEYS, ConfigFileError, load_config
 from contract.features import unbuilt_features
 from contract.launch_env import launched_externally
 from contract.logs import configure_logging
+from server.cli import no_effect, not_built, parse_args
 
 SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="YAML config (default configs/cpu-tiny.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
-    parser.add_argument("--api-key", help="bearer key clients must send; visible in the process table: prefer "
-                        "DS4SERVE_API_KEY or --api-key-file (one key per line)")
-    parser.add_argument("--log-level", default="info")
-    for flag in FLAG_KEYS:
-        name = "--" + flag.replace("_", "-")
-        if flag in ("deterministic", "enforce_eager"):
-            parser.add_argument(name, action="store_const", const=True, default=None)
-        elif flag == "enable_prefix_caching":
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None)
-        elif flag in ("port", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                      "kv_hot_tokens"):
-            parser.add_argument(name, type=int)
-        elif flag == "gpu_memory_utilization":
-            parser.add_argument(name, type=float)
-        else:
-            parser.add_argument(name)
-    return parser.parse_args(argv)
+log = logging.getLogger("ds4serve.launch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigFileError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    unbuilt = unbuilt_features(config)
+    unbuilt = [str(feature) for feature in unbuilt_features(config)] + not_built(args)
     if unbuilt:
-        print("cannot start: not built in this version: " + "; ".join(map(str, unbuilt)), file=sys.stderr)
+        print("cannot start: not built in this version: " + "; ".join(unbuilt), file=sys.stderr)
         return 2
     try:
         secrets = config.api_keys(args.api_key)
@@ -74,13 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: server.api_key_file: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, config.server.log_format, secrets)
+    if no_effect(args):
+        log.warning("accepted, but vLLM kernel / compiler settings have no counterpart here: %s",
+                    ", ".join(no_effect(args)))
     if launched_externally() and int(os.environ["RANK"]) > 0:  # torchrun's other ranks serve no HTTP
         from engine.factory import serve_external_rank  # this process is a model rank, not a front end
 
         return serve_external_rank(config)
     import uvicorn
 
-    from server.draining import DrainingServer
+    from server.announced_server import AnnouncedServer
     from server.http_edge import OpenAIErrorH11Protocol
     from server.launch import build_server
 
@@ -90,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot start: {exc}", file=sys.stderr)
         return 2
     server_config = uvicorn.Config(
-        app, host=config.server.host, port=config.server.port, log_level=args.log_level.lower(),
+        app, host=config.server.host, port=config.server.port, log_level=args.uvicorn_log_level or args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,  # uvicorn logs through our root handler
         http=OpenAIErrorH11Protocol,  # malformed HTTP gets an OpenAI error body too
     )
-    DrainingServer(server_config, app.state.lifecycle, app.state.engine_lost).run()
+    AnnouncedServer(server_config, app.state.lifecycle, app.state.engine_lost).run()
     return 1 if app.state.engine_lost.reason is not None else 0  # non-zero: the engine could not be kept up
 
 

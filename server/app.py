@@ -1,7 +1,8 @@
 """The HTTP application: OpenAI-compatible routes over an EngineClient.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /version (these need the bearer key when
-keys are set), /health and /ready (always open). Client mistakes become HTTP 4xx with an OpenAI error
+Routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions, /v1/responses (and GET
+/v1/responses/{id}), /tokenize, /detokenize, /version (these need the bearer key when keys are set), /health
+and /ready (always open). Client mistakes become HTTP 4xx with an OpenAI error
 body (server/http_errors.py); only engine faults are 5xx. The edge middleware (server/http_edge.py)
 adds request ids, keys and the body limit; server/lifecycle.py holds the queue bound and the drain,
 and lives at `app.state.lifecycle` for the CLI's SIGTERM handler.
@@ -54,6 +55,11 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.request_errors import ClientError, ServerShuttingDown
+from server.responses import build_responses_call, create_response
+from server.responses_input import responses_params
+from server.responses_protocol import ResponseObject, ResponsesRequest
+from server.responses_store import ResponseStore
+from server.responses_stream import stream_response
 from server.tokenize_api import detokenize, tokenize
 from server.tokenizer import TextTokenizer
 
@@ -71,6 +77,11 @@ class ServedModel:
     root: str
     max_model_len: int
     max_num_seqs: int = 1  # sequences the engine runs at once; admitted requests beyond them wait
+    aliases: tuple[str, ...] = ()  # more names a request's `model` may give (vLLM's --served-model-name A B)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 class HeldStream(StreamingResponse):
@@ -135,6 +146,7 @@ def create_app(
     describe_error_statuses(app, {
         "/health": (503,), "/ready": (503,), "/v1/completions": generation, "/v1/chat/completions": generation,
         "/tokenize": (404,), "/detokenize": (404,),
+        "/v1/models/{model_id}": (404,), "/v1/responses": generation, "/v1/responses/{response_id}": (404,),
     }, OPEN_PATHS)
     # added innermost first: the request id wraps everything, so every response carries it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -157,7 +169,7 @@ def create_app(
         return None
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model.name:
+        if name is not None and name not in model.names:
             raise UnknownModel(name, model.name)
 
     @app.get("/health")
@@ -174,7 +186,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model.name, root=model.root, max_model_len=model.max_model_len)])
+        cards = [ModelCard(id=name, root=model.root, max_model_len=model.max_model_len) for name in model.names]
+        return ModelList(data=cards)  # every served name, as vLLM lists them; responses report the first
+
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes (org/model)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        check_model(model_id)  # any served name: its card, as /v1/models lists it
+        return ModelCard(id=model_id, root=model.root, max_model_len=model.max_model_len)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(body: TokenizeRequest) -> Response:
@@ -196,7 +214,7 @@ def create_app(
         check_model(body.model)
         response_id, requests = await off_loop(build_requests, body, tokenizer, model.max_model_len,
                                                request.state.request_id, settings.max_prompts_per_request)
-        call = engine.call(requests)  # validates: refuses before anything runs (and before a stream's 200)
+        call = engine.call(requests, body.n)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(requests), "n" if len(requests) == body.n else "prompt")
         if body.stream:
             frames = stream_completion(body, response_id, call, tokenizer, model.name, lifecycle.expired)
@@ -212,7 +230,7 @@ def create_app(
         if chat is None:
             raise ClientError("chat is unavailable on this server (no chat format for this model)", "messages")
         call = await off_loop(build_chat_call, body, chat, tokenizer, model.max_model_len, request.state.request_id)
-        engine_call = engine.call(call.requests)  # validates: refuses before anything runs (and before a stream's 200)
+        engine_call = engine.call(call.requests, body.n)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(call.requests))
         if body.stream:
             frames = stream_chat_completion(call, engine_call, chat, tokenizer, model.name, lifecycle.expired)
@@ -221,5 +239,38 @@ def create_app(
             work = create_chat_completion(call, engine_call, chat, tokenizer, model.name)
             response = await _unless_cut_off(work, request, lifecycle.expired)
         return JSONResponse(response.model_dump(exclude_none=True))
+
+    # --- the Responses API (server/responses.py): over the chat path, kept in memory unless store=false
+    stored = ResponseStore()
+
+    @app.post("/v1/responses", response_model=ResponseObject)
+    async def create_response_route(body: ResponsesRequest, request: Request) -> Response:
+        check_model(body.model)
+        if chat is None:
+            raise ClientError("responses are unavailable on this server (no chat format for this model)", "input")
+        history = stored.conversation(body.previous_response_id)
+        call = await off_loop(build_responses_call, body, history, chat, tokenizer, model.max_model_len,
+                              request.state.request_id, model.name)
+        with responses_params():
+            engine_call = engine.call(call.chat.requests)  # validates before anything runs (and before a stream's 200)
+        admission = lifecycle.admit(len(call.chat.requests))
+
+        def keep(response: ResponseObject) -> None:
+            if body.store:
+                stored.keep(response, call.conversation_after(response))
+
+        if body.stream:
+            return HeldStream(stream_response(call, engine_call, chat, tokenizer, lifecycle.expired, keep), admission)
+        with admission:
+            response = await _unless_cut_off(create_response(call, engine_call, chat, tokenizer), request, lifecycle.expired)
+        keep(response)
+        return JSONResponse(response.dump())
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
+    async def retrieve_response(response_id: str) -> Response:
+        kept = stored.get(response_id)
+        if kept is None:
+            return error_response(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
+        return JSONResponse(kept.response.dump())
 
     return app

@@ -30,13 +30,23 @@ from server.chat_protocol import (
     TokenLogprobEntry,
     TopLogprob,
 )
-from server.completions import Generation, collect, for_choice, sampling_params, stop_strings
+from server.completions import (
+    Generation,
+    collect,
+    for_choice,
+    prompt_entries,
+    sampling_params,
+    stop_strings,
+    truncated,
+)
 from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
+from server.logprobs import floored, prompt_logprobs, token_label
 from server.protocol import Usage
 from server.request_errors import ClientError, RequestFailed
 from server.streaming import DONE, ChoiceStep, StreamUsage, choice_steps, error_frame, sse
 from server.tokenizer import TextTokenizer
+from server.unsupported_fields import BUILT_IN_CHAT, CHAT, refuse_unsupported
 
 
 class SpecialTokenText:
@@ -71,10 +81,15 @@ def build_chat_call(
     """Raises ChatRequestError or ClientError (both 400) for what the client must fix."""
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise ClientError("response_format: only {'type': 'text'} is supported", "response_format")
+    refuse_unsupported(body, CHAT)
+    if fmt.template is None:  # the built-in encoder (a checkpoint's own template reads these itself)
+        refuse_unsupported(body, BUILT_IN_CHAT)
     raw = body.model_dump(exclude_none=True)
-    chat = ChatRequest.from_body(raw)
+    chat = fmt.read(raw)  # with the server's default chat_template_kwargs
     prompt = fmt.render_request(chat, raw)
-    ids = tokenizer.encode(prompt, add_special_tokens=False, param="messages")  # the rendered prompt holds its BOS
+    # the rendered prompt holds its BOS (add_special_tokens adds another, as in vLLM)
+    ids = tokenizer.encode(prompt, body.add_special_tokens, bounded=body.truncate_prompt_tokens is None, param="messages")
+    ids = truncated(ids, body, max_model_len)
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
     params, boundary, prompt_ids = sampling_params(body, len(ids), max_model_len), history_end(ids, tokenizer), tuple(ids)
     requests = [NewRequest(f"{response_id}-{tag}-{i}", prompt_ids, for_choice(params, i), cache_salt=body.cache_salt,
@@ -91,10 +106,10 @@ def history_end(ids: list[int], tokenizer: TextTokenizer) -> int | None:
     return None
 
 
-def chat_logprobs(tokenizer: TextTokenizer, entries: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(tokenizer: TextTokenizer, entries: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
-        text = tokenizer.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        text = token_label(tokenizer, token_id, as_ids)
+        return TopLogprob(token=text, logprob=floored(logprob), bytes=list(text.encode()))
 
     return ChatLogprobs(content=[
         TokenLogprobEntry(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
@@ -113,7 +128,8 @@ async def create_chat_completion(
     call: ChatCall, engine_call: EngineCall, fmt: ChatFormat, tokenizer: TextTokenizer, model_name: str
 ) -> ChatCompletionResponse:
     decoder, stop = SpecialTokenText(tokenizer), stop_strings(call.body)
-    generations = await collect(engine_call, [IncrementalText(decoder, stop) if stop else None for _ in call.requests])
+    include = call.body.include_stop_str_in_output
+    generations = await collect(engine_call, [IncrementalText(decoder, stop, include) if stop else None for _ in call.requests])
     failed = next((g.error for g in generations if g.error), None)
     if failed:
         raise RequestFailed(failed)
@@ -124,6 +140,9 @@ async def create_chat_completion(
         model=model_name,
         choices=choices,
         usage=Usage.of(len(call.prompt_token_ids), completion_tokens, generations[0].cached_tokens),
+        prompt_logprobs=None if call.body.prompt_logprobs is None else prompt_logprobs(
+            tokenizer, prompt_entries(generations[0], len(call.prompt_token_ids)), call.prompt_token_ids,
+            call.body.prompt_logprobs),
         prompt_token_ids=call.prompt_token_ids if call.body.return_token_ids else None,
     )
 
@@ -135,7 +154,7 @@ def _choice(call: ChatCall, fmt: ChatFormat, tokenizer: TextTokenizer, index: in
     return ChatChoice(
         index=index,
         message=message_of(parsed),
-        logprobs=chat_logprobs(tokenizer, generation.logprobs) if call.body.logprobs else None,
+        logprobs=chat_logprobs(tokenizer, generation.logprobs, call.body.return_tokens_as_token_ids) if call.body.logprobs else None,
         finish_reason=parsed.finish_reason(generation.finish_reason),
         token_ids=generation.token_ids if call.body.return_token_ids else None,
     )
@@ -171,7 +190,7 @@ def _chunk_choice(
         deltas += parser.finish()
         finish_reason = parser.message().finish_reason(step.finish_reason)
     delta = merge_deltas(deltas)
-    logprobs = chat_logprobs(tokenizer, list(step.output.new_logprobs)) if body.logprobs else None
+    logprobs = chat_logprobs(tokenizer, list(step.output.new_logprobs), body.return_tokens_as_token_ids) if body.logprobs else None
     token_ids = list(step.output.new_token_ids) if body.return_token_ids else None
     if not delta and finish_reason is None and logprobs is None and token_ids is None:
         return None
@@ -188,7 +207,7 @@ async def stream_chat_completion(
     body, options = call.body, call.body.stream_options
     continuous = options is not None and options.continuous_usage_stats
     stop = stop_strings(body)
-    texts = [IncrementalText(SpecialTokenText(tokenizer), stop) for _ in call.requests]
+    texts = [IncrementalText(SpecialTokenText(tokenizer), stop, body.include_stop_str_in_output) for _ in call.requests]
     parsers = [fmt.parser_for(call.chat, call.prompt) for _ in call.requests]
     usage = StreamUsage(prompt_tokens=len(call.prompt_token_ids))
 

@@ -9,14 +9,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
-from server.protocol import SamplingFields, Usage
+from server.protocol import MAX_LOGPROBS, PromptLogprobs, SamplingFields, Usage
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Any]
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False  # the chat format writes the BOS itself
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -58,6 +59,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the prompt every choice shares
     prompt_token_ids: list[int] | None = None
 
 

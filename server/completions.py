@@ -4,6 +4,9 @@ The response id is `cmpl-<base>`, where the base is the request's x-request-id (
 engine request ids extend it with a per-call tag, so two calls that reuse an x-request-id never collide
 in the engine. `usage.prompt_tokens_details.cached_tokens` reads `num_cached_tokens` from the engine's
 outputs (prompt tokens the engine's prefix cache served).
+
+A choice's text is the echoed prompt (echo) then the output, decoded as skip_special_tokens says;
+its logprobs' text_offset index that text, streamed or not (server/logprobs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from contract import NewRequest, RequestOutput, SamplingParams, TokenLogprob
 from contract.config import ServerSection
 from server.engine_client import EngineCall
-from server.incremental_text import IncrementalText
+from server.incremental_text import Decoder, IncrementalText
+from server.logprobs import TextOffsets, legacy_logprobs, prompt_logprobs
 from server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -30,6 +34,7 @@ from server.protocol import (
 from server.request_errors import ClientError, RequestFailed
 from server.streaming import DONE, StreamUsage, cached_tokens, choice_steps, error_frame, sse
 from server.tokenizer import TextTokenizer
+from server.unsupported_fields import COMPLETIONS, refuse_unsupported
 
 DEFAULT_SETTINGS = ServerSection()
 
@@ -47,12 +52,31 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
+class KeepSpecialTokens:
+    """Decodes keeping the special tokens' text (skip_special_tokens=false)."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def text_decoder(body: SamplingFields, tokenizer: TextTokenizer) -> Decoder:
+    return tokenizer if body.skip_special_tokens else KeepSpecialTokens(tokenizer)
+
+
 def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer, max_prompts: int) -> list[list[int]]:
     """Each prompt's token ids; a list of more than `max_prompts` strings or token lists is refused
-    before any is tokenized (each prompt is n engine requests: server/lifecycle.py counts them all)."""
+    before any is tokenized (each prompt is n engine requests: server/lifecycle.py counts them all).
+    A text that cannot fit the context is refused untokenized, unless the prompt is to be truncated."""
     prompt = body.prompt
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, body.add_special_tokens, bounded=body.truncate_prompt_tokens is None)
+
     if isinstance(prompt, str):
-        lists = [tokenizer.encode(prompt)]
+        lists = [encode(prompt)]
     elif not prompt:
         raise ClientError("prompt must not be empty", "prompt")
     elif not isinstance(prompt[0], int) and len(prompt) > max_prompts:
@@ -61,7 +85,7 @@ def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer, max_pr
             "(server.max_prompts_per_request)", "prompt",
         )
     elif all(isinstance(p, str) for p in prompt):
-        lists = [tokenizer.encode(p) for p in prompt]
+        lists = [encode(p) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
         lists = [list(prompt)]
     else:
@@ -69,6 +93,23 @@ def prompt_token_lists(body: CompletionRequest, tokenizer: TextTokenizer, max_pr
     if any(not ids for ids in lists):
         raise ClientError("prompt must not be empty", "prompt")
     return lists
+
+
+def truncated(ids: list[int], body: SamplingFields, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens; -1 keeps as many as leave room for the
+    output (max_model_len - max_tokens; without max_tokens, room for one token). A k past that room
+    could never run: the client's 400, as in vLLM."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    output = body.output_limit or 1
+    room = max_model_len - output
+    if keep > room or room < 1:
+        raise ClientError(
+            f"truncate_prompt_tokens: {max(room, 0)} prompt tokens at most fit beside {output} output tokens in "
+            f"max_model_len {max_model_len}; asked to keep {keep}", "truncate_prompt_tokens",
+        )
+    return ids[-(room if keep == -1 else keep):]
 
 
 def stop_strings(body: SamplingFields) -> tuple[str, ...]:
@@ -100,7 +141,7 @@ def sampling_params(body: SamplingFields, prompt_len: int, max_model_len: int) -
         ignore_eos=body.ignore_eos,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=body.sample_logprobs,
-        prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs=body.engine_prompt_logprobs,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
@@ -143,31 +184,35 @@ def _absorb(generation: Generation, output: RequestOutput) -> None:
         generation.finish_reason, generation.error = output.finish_reason, output.error
 
 
-def legacy_logprobs(
-    tokenizer: TextTokenizer, entries: list[TokenLogprob | None], token_ids: list[int]
+def choice_logprobs(
+    body: CompletionRequest, tokenizer: TextTokenizer, output: TextOffsets, ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    echoed: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None,
 ) -> CompletionLogprobs:
-    result = CompletionLogprobs()
-    offset = 0
-    for token_id, entry in zip(token_ids, entries, strict=True):
-        text = tokenizer.token_text(token_id)
-        result.tokens.append(text)
-        result.text_offset.append(offset)
-        offset += len(text)
-        result.token_logprobs.append(None if entry is None else entry.logprob)
-        top = None
-        if entry is not None:
-            top = {tokenizer.token_text(t): lp for t, lp in entry.top} or {text: entry.logprob}
-        result.top_logprobs.append(top)
-    return result
+    """The logprobs of a choice's output tokens `ids` (all of them, or a stream chunk's; `output`
+    places them in the text), after the echoed prompt's (its ids and entries) when given."""
+    assert body.logprobs is not None, "only asked for with logprobs"
+    offsets = output.push(ids)
+    if echoed is not None:
+        echo_ids, echo_entries = echoed
+        offsets = TextOffsets(output.decoder).push(echo_ids) + offsets
+        ids, entries = [*echo_ids, *ids], [*echo_entries, *entries]
+    return legacy_logprobs(tokenizer, entries, ids, offsets, body.logprobs, body.return_tokens_as_token_ids)
+
+
+def prompt_entries(output: RequestOutput | Generation, prompt_len: int) -> list[TokenLogprob | None]:
+    """The prompt tokens' logprob entries (the first None), as the engine reported them."""
+    return list(output.prompt_logprobs or [None] * prompt_len)
 
 
 def build_requests(
     body: CompletionRequest, tokenizer: TextTokenizer, max_model_len: int, base_id: str,
     max_prompts: int = DEFAULT_SETTINGS.max_prompts_per_request,
 ) -> tuple[str, list[NewRequest]]:
-    """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt or
-    more than `max_prompts` of them (`server.max_prompts_per_request`)."""
-    prompts = prompt_token_lists(body, tokenizer, max_prompts)
+    """The response id and one engine request per (prompt, n); raises ClientError for a bad prompt,
+    more than `max_prompts` of them (`server.max_prompts_per_request`) or a field not supported here."""
+    refuse_unsupported(body, COMPLETIONS)
+    prompts = [truncated(ids, body, max_model_len) for ids in prompt_token_lists(body, tokenizer, max_prompts)]
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = []
     for p, ids in enumerate(prompts):
@@ -182,8 +227,9 @@ async def create_completion(
 ) -> CompletionResponse:
     requests = call.requests
     prompts = [r.prompt_token_ids for r in requests[:: body.n]]
-    stop = stop_strings(body)
-    generations = await collect(call, [IncrementalText(tokenizer, stop) if stop else None for _ in requests])
+    stop, decoder = stop_strings(body), text_decoder(body, tokenizer)
+    texts = [IncrementalText(decoder, stop, body.include_stop_str_in_output) if stop else None for _ in requests]
+    generations = await collect(call, texts)
     failed = next((g.error for g in generations if g.error), None)
     if failed:
         raise RequestFailed(failed)
@@ -205,24 +251,22 @@ async def create_completion(
 def _choice(
     body: CompletionRequest, tokenizer: TextTokenizer, index: int, request: NewRequest, generation: Generation
 ) -> CompletionChoice:
-    prompt_ids = request.prompt_token_ids
-    text = generation.text if generation.text is not None else tokenizer.decode(generation.token_ids)
-    if body.echo:
-        text = tokenizer.decode(prompt_ids) + text
+    prompt_ids, decoder = request.prompt_token_ids, text_decoder(body, tokenizer)
+    entries = prompt_entries(generation, len(prompt_ids))
+    echoed = decoder.decode(list(prompt_ids)) if body.echo else ""
+    text = generation.text if generation.text is not None else decoder.decode(generation.token_ids)
     logprobs = None
     if body.logprobs is not None:
-        entries: list[TokenLogprob | None] = list(generation.logprobs)
-        ids = list(generation.token_ids)
-        if body.echo:
-            entries = list(generation.prompt_logprobs or [None] * len(prompt_ids)) + entries
-            ids = [*prompt_ids, *ids]
-        logprobs = legacy_logprobs(tokenizer, entries, ids)
+        logprobs = choice_logprobs(body, tokenizer, TextOffsets(decoder, len(echoed)), generation.token_ids,
+                                   generation.logprobs, (prompt_ids, entries) if body.echo else None)
     return CompletionChoice(
         index=index,
-        text=text,
+        text=echoed + text,
         logprobs=logprobs,
         finish_reason=generation.finish_reason,
         token_ids=generation.token_ids if body.return_token_ids else None,
+        prompt_logprobs=None if body.prompt_logprobs is None else prompt_logprobs(
+            tokenizer, entries, prompt_ids, body.prompt_logprobs),
         prompt_token_ids=prompt_ids if body.return_token_ids else None,
     )
 
@@ -234,19 +278,31 @@ async def stream_completion(
     that reaches a stop string ends there (finish_reason "stop"). An engine failure mid-stream, or
     `interrupt` being set (the server's drain timed out), becomes an error frame before [DONE]."""
     options = body.stream_options
-    stop = stop_strings(body)
+    stop, decoder = stop_strings(body), text_decoder(body, tokenizer)
     requests = call.requests
-    texts = [IncrementalText(tokenizer, stop) for _ in requests]
+    texts = [IncrementalText(decoder, stop, body.include_stop_str_in_output) for _ in requests]
+    offsets: dict[int, TextOffsets] = {}  # per choice, from its first step: where its output tokens sit
     usage = StreamUsage(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests[:: body.n]))
     try:
         async with aclosing(choice_steps(call, texts, usage, body.n, interrupt)) as steps:
             async for step in steps:
+                prompt_ids, output = requests[step.index].prompt_token_ids, step.output
+                echoes = body.echo and step.first  # the choice's first chunk starts with the prompt
+                echoed = decoder.decode(list(prompt_ids)) if echoes else ""
+                logprobs = None
+                if body.logprobs is not None:
+                    if step.first:
+                        offsets[step.index] = TextOffsets(decoder, len(echoed))
+                    echo = (prompt_ids, prompt_entries(output, len(prompt_ids))) if echoes else None
+                    logprobs = choice_logprobs(body, tokenizer, offsets[step.index], output.new_token_ids,
+                                               output.new_logprobs, echo)
                 choice = CompletionChoice(
                     index=step.index,
-                    text=step.text,
+                    text=echoed + step.text,
+                    logprobs=logprobs,
                     finish_reason=step.finish_reason,
-                    token_ids=list(step.output.new_token_ids) if body.return_token_ids else None,
-                    prompt_token_ids=requests[step.index].prompt_token_ids if body.return_token_ids and step.first else None,
+                    token_ids=list(output.new_token_ids) if body.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if body.return_token_ids and step.first else None,
                 )
                 chunk = CompletionChunk(id=response_id, model=model_name, choices=[choice],
                                         usage=usage.snapshot() if options and options.continuous_usage_stats else None)

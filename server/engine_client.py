@@ -48,8 +48,9 @@ class EngineCall:
     outputs read from one queue as (request index, output) until every request finished. Leaving
     early (`close`, or the async iteration abandoned) aborts the requests still running."""
 
-    def __init__(self, client: EngineClient, engine: EngineHandle, requests: Sequence[NewRequest]) -> None:
+    def __init__(self, client: EngineClient, engine: EngineHandle, requests: Sequence[NewRequest], n: int = 1) -> None:
         self._client, self._engine, self.requests = client, engine, tuple(requests)
+        self.n = n  # choices per prompt: the requests are each prompt's n choices in turn
         self.queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._open: set[int] = set()
         self._stopped: set[int] = set()  # ended by the front end at a stop string
@@ -62,9 +63,9 @@ class EngineCall:
             return
         self._started = True
         self._client.check_alive()
+        self._observers = list(self._client.observe(self))
         for index, request in enumerate(self.requests):
             self._client.register(request.request_id, self, index)
-            self._observers.append(self._client.observe(request))
             self._open.add(index)
             self._engine.submit(request)
 
@@ -123,7 +124,9 @@ class EngineClient:
         self._engine: EngineHandle | None = None
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
-        self.observe: Callable[[NewRequest], RequestObserver] = lambda _: RequestObserver()
+        # one observer per request of a call, in order (metrics group each prompt's choices)
+        self.observe: Callable[[EngineCall], Sequence[RequestObserver]] = lambda call: [
+            RequestObserver() for _ in call.requests]
 
     def connect(self, engine: EngineHandle) -> None:
         self._engine = engine
@@ -137,13 +140,13 @@ class EngineClient:
         assert self._engine is not None, "engine not connected"
         self._engine.validate(request)
 
-    def call(self, requests: Sequence[NewRequest]) -> EngineCall:
+    def call(self, requests: Sequence[NewRequest], n: int = 1) -> EngineCall:
         """Validates every request (raises RequestRejected: nothing is sent then) and returns the
-        call, not yet started."""
+        call, not yet started; `requests` are each prompt's `n` choices in turn."""
         assert self._engine is not None, "engine not connected"
         for request in requests:
             self.validate(request)
-        return EngineCall(self, self._engine, requests)
+        return EngineCall(self, self._engine, requests, n)
 
     async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:
         """One request's outputs until the finished one (a call of one)."""

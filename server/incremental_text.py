@@ -11,8 +11,9 @@ class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
+def _first_stop(text: str, stop: tuple[str, ...]) -> tuple[int, int] | None:
+    """(start, end) of the stop string that ends first in `text`, as the text grows (None: none yet)."""
+    return min(((i + len(s), i) for s in stop if (i := text.find(s)) >= 0), default=None)
 
 
 def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
@@ -24,17 +25,20 @@ class IncrementalText:
     """Text deltas of a growing token list. A delta never ends inside a UTF-8 character (a decode that
     ends in U+FFFD is held back until the next token completes it) nor in text that could be the start
     of a stop string (held back until it is not, or the stream ends). At the first stop string the
-    text ends just before it and `stopped` is set: nothing past a stop string is ever sent."""
+    text ends just before it (with it: `include_stop`, vLLM's include_stop_str_in_output) and `stopped` is
+    set: nothing past a stop string is ever sent."""
 
-    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer, self.stop, self.token_ids, self.sent, self.stopped = tokenizer, stop, [], "", False
+        self.include_stop = include_stop
 
     def push(self, token_ids: tuple[int, ...], final: bool) -> str:
         self.token_ids.extend(token_ids)
         text = self.tokenizer.decode(self.token_ids)
         cut = _first_stop(text, self.stop)
         if cut is not None:
-            text, self.stopped = text[:cut], True
+            end, start = cut
+            text, self.stopped = text[: end if self.include_stop else start], True
         elif not final:
             if text.endswith("\ufffd"):
                 return ""

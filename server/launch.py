@@ -10,12 +10,15 @@ import logging
 
 from fastapi import FastAPI
 
-from contract.config import ServeConfig
+from contract.config import ConfigFileError, ServeConfig
 from server.app import ServedModel, create_app
 from server.chat import ChatFormat
+from server.chat_options import check_format_names, template_source
 from server.engine_client import EngineClient
 from server.engine_supervisor import EngineSupervisor
 from server.metrics import MetricsSetup, install_metrics
+from server.request_log import RequestLoggingClient
+from server.startup_summary import ServingSummary
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger("ds4serve.launch")
@@ -34,22 +37,40 @@ class EngineLost:
 
 
 def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
-    """Raises EngineStartError (a ValueError) when the engine process cannot start. The engine starts
-    first (it builds the embedded default model if needed) and reports the model facts the tokenizer
-    and chat format need, so this process never reads the checkpoint's config itself."""
+    """Raises EngineStartError (a ValueError) when the engine process cannot start, ConfigFileError when
+    the chat options do not fit the model (the engine is stopped again then). The engine starts first
+    (it builds the embedded default model if needed) and reports the model facts the tokenizer and chat
+    format need, so this process never reads the checkpoint's config itself."""
     model_dir = config.model_dir
-    client = EngineClient()
+    if config.model.path is not None and not model_dir.is_dir():  # refused before anything loads
+        raise ConfigFileError(
+            f"model.path (MODEL / --model) {config.model.path}: no such directory; this server serves a local "
+            f"checkpoint (a Hugging Face id must be downloaded first: huggingface-cli download {config.model.path}"
+            " --local-dir DIR)")
+    template = template_source(config.chat.template)
+    client = RequestLoggingClient() if config.server.log_requests else EngineClient()
     engine_lost = EngineLost()
     engine = EngineSupervisor(config, client, give_up=engine_lost.set)
-    client.connect(engine)
-    facts, limits = engine.ready.model, engine.ready.limits
-    tokenizer = TextTokenizer(model_dir, facts.bos_token_id, max_tokens=limits.max_model_len)
-    served = ServedModel(config.served_model_name, str(model_dir), limits.max_model_len, limits.max_num_seqs)
-    chat = ChatFormat.for_checkpoint(model_dir, facts.model_type)
-    app = create_app(client, tokenizer, served, config.api_keys(api_key), settings=config.server, chat=chat)
+    try:
+        client.connect(engine)
+        facts, limits = engine.ready.model, engine.ready.limits
+        check_format_names(config.chat, facts.model_type)
+        tokenizer = TextTokenizer(model_dir, facts.bos_token_id, max_tokens=limits.max_model_len)
+        names = config.served_model_names
+        served = ServedModel(names[0], str(model_dir), limits.max_model_len, limits.max_num_seqs, aliases=names[1:])
+        chat = ChatFormat.for_checkpoint(model_dir, facts.model_type, template, config.chat.default_template_kwargs)
+    except Exception:
+        engine.stop()
+        raise
+    keys = config.api_keys(api_key)
+    app = create_app(client, tokenizer, served, keys, settings=config.server, chat=chat)
     metrics = MetricsSetup(served.name, served.max_model_len, config.scheduler.block_tokens, config.metrics.vllm_compat)
     install_metrics(app, client, metrics)
     app.router.on_shutdown.append(engine.stop)
     app.state.engine_lost = engine_lost
-    log.info("serving %s (%s, %s) as %r", model_dir, engine.ready.device, engine.ready.dtype, served.name)
+    app.state.summary = ServingSummary(
+        names=names, model_dir=str(model_dir), model_type=facts.model_type, max_model_len=limits.max_model_len,
+        max_num_seqs=limits.max_num_seqs, device=engine.ready.device, dtype=engine.ready.dtype,
+        tensor_parallel_size=config.parallel.tensor_parallel_size, api_key_required=bool(keys),
+    )
     return app

@@ -1,10 +1,13 @@
 """Prometheus metrics at GET /metrics, under `ds4serve:` and, for tools written for vLLM, `vllm:`.
 
-The vLLM names, labels (`model_name`, `engine`) and buckets are those of vLLM's V1 Prometheus logger,
-so its dashboards and benchmark clients read this server unchanged. Engine figures (requests, pages,
-preemptions) are read from the engine's latest stats at scrape time; per-request figures (latencies,
-tokens, finish reasons) are recorded as EngineClient.generate hands outputs to the HTTP code. Each app
-gets its own registry, so several apps can live in one process.
+The vLLM names, labels (`model_name`, `engine`), buckets and help texts are those of vLLM's V1
+Prometheus logger (vllm/v1/metrics/loggers.py), so its dashboards and benchmark clients read this server
+unchanged; like vLLM, the exposition has the process and Python collectors and no `*_created` series.
+Engine figures (requests, pages, preemptions, tokens per step) are read from the engine's latest stats
+at scrape time; per-request figures (latencies, tokens, finish reasons, parameters) are recorded as an
+EngineCall hands outputs to the HTTP code. The queue, prefill, decode and inference times are the
+engine's own durations (RequestOutput.queue_time_s / inference_time_s), as vLLM measures them in its
+engine core. Each app gets its own registry, so several apps can live in one process.
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from contract import PREFETCH_WAIT_BUCKETS, EngineStats, EngramStats, NewRequest, RequestOutput
-from server.engine_client import EngineClient, RequestObserver
+from contract import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, NewRequest, RequestOutput
+from server.engine_client import EngineCall, EngineClient, RequestObserver
 
 LABELS = ("model_name", "engine")
 ENGINE = "0"  # one engine per server; the label is kept so vLLM's queries match
@@ -31,6 +45,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit")  # vLLM's third, external_kv_transfer, needs a KV connector
 
 
 @dataclass(frozen=True)
@@ -47,10 +63,13 @@ class MetricsSetup:
 
 def install_metrics(app: FastAPI, engine: EngineClient, setup: MetricsSetup) -> None:
     """Adds GET /metrics (left open by the auth middleware) and starts recording every request."""
+    disable_created_metrics()  # prometheus-client's switch is process-wide; vLLM turns it off the same way
     registry = CollectorRegistry()
+    for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        collector(registry=registry)
     registry.register(EngineCollector(engine, setup))
     metrics = RequestMetrics(registry, setup)
-    engine.observe = lambda request: RequestTrace(metrics, request)
+    engine.observe = lambda call: trace_call(metrics, call)
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape() -> Response:
@@ -91,6 +110,17 @@ class RequestMetrics:
         tokens = token_buckets(setup.max_model_len)
         self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
+        by_source = [
+            Counter(f"{p}:prompt_tokens_by_source", "Number of prompt tokens by source.", [*LABELS, "source"],
+                    registry=registry)
+            for p in setup.prefixes
+        ]
+        self.prompt_tokens_by_source = {
+            source: Fanout([c.labels(setup.model_name, ENGINE, source) for c in by_source])
+            for source in PROMPT_SOURCES
+        }
+        self.prompt_tokens_cached = self._counter("prompt_tokens_cached",
+                                                  "Number of cached prompt tokens (local + external).")
         success = [
             Counter(f"{p}:request_success", "Count of successfully processed requests.", [*LABELS, "finished_reason"],
                     registry=registry)
@@ -111,6 +141,29 @@ class RequestMetrics:
                                                      tokens)
         self.request_generation_tokens = self._histogram("request_generation_tokens",
                                                          "Number of generation tokens processed.", tokens)
+        self.request_tpot = self._histogram("request_time_per_output_token_seconds",
+                                            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds",
+                                          "Histogram of time spent in WAITING phase for request.",
+                                          REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = self._histogram("request_prefill_time_seconds",
+                                            "Histogram of time spent in PREFILL phase for request.",
+                                            REQUEST_LATENCY_BUCKETS)
+        self.decode_time = self._histogram("request_decode_time_seconds",
+                                           "Histogram of time spent in DECODE phase for request.",
+                                           REQUEST_LATENCY_BUCKETS)
+        self.inference_time = self._histogram("request_inference_time_seconds",
+                                              "Histogram of time spent in RUNNING phase for request.",
+                                              REQUEST_LATENCY_BUCKETS)
+        self.prefill_kv_computed = self._histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+        self.max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            tokens)
+        self.params_n = self._histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = self._histogram("request_params_max_tokens",
+                                                 "Histogram of the max_tokens request parameter.", tokens)
 
     def _counter(self, name: str, doc: str) -> Fanout:
         return Fanout([
@@ -127,31 +180,71 @@ class RequestMetrics:
         ])
 
 
+def trace_call(metrics: RequestMetrics, call: EngineCall) -> list[RequestTrace]:
+    """One trace per request of the call; each prompt's n choices (consecutive requests) share a PromptTrace."""
+    prompts = [PromptTrace(metrics, len(call.requests[i : i + call.n])) for i in range(0, len(call.requests), call.n)]
+    return [RequestTrace(metrics, request, prompts[i // call.n]) for i, request in enumerate(call.requests)]
+
+
+class PromptTrace:
+    """One prompt's n choices. vLLM records n, and the most tokens one of its choices generated, once per
+    prompt, when its last choice ends."""
+
+    def __init__(self, metrics: RequestMetrics, n: int) -> None:
+        self.metrics, self.n, self.open = metrics, n, n
+        self.most_tokens = 0
+
+    def choice_ended(self, num_tokens: int) -> None:
+        self.most_tokens, self.open = max(self.most_tokens, num_tokens), self.open - 1
+        if not self.open:
+            self.metrics.params_n.observe(self.n)
+            self.metrics.max_num_generation_tokens.observe(self.most_tokens)
+
+
 class RequestTrace(RequestObserver):
     """One request's timing: TTFT from the start of generate() to the first output carrying tokens,
     inter-token latency between later such outputs (one per engine step, as vLLM counts it), e2e at the
-    end. A caller that leaves early (client gone, stop string cut in the front end) ends it as "abort"."""
+    end. A caller that leaves early (client gone, stop string cut in the front end) ends it as "abort".
+    Queue, prefill, decode and inference times are the engine's: queue and prefill from the output with
+    the first tokens, inference from the last output seen (so a request cut in the front end has them
+    too), decode the difference; a request that got no token has none of them."""
 
-    def __init__(self, metrics: RequestMetrics, request: NewRequest) -> None:
-        self.metrics, self.num_prompt_tokens = metrics, len(request.prompt_token_ids)
+    def __init__(self, metrics: RequestMetrics, request: NewRequest, prompt: PromptTrace) -> None:
+        self.metrics, self.prompt, self.num_prompt_tokens = metrics, prompt, len(request.prompt_token_ids)
+        self.max_tokens = request.params.max_tokens
         self.started = time.monotonic()
         self.last_token_at: float | None = None
         self.num_tokens = 0
         self.finish_reason = "abort"
+        self.queue_s: float | None = None
+        self.prefill_s: float | None = None
+        self.inference_s: float | None = None
 
     def output(self, output: RequestOutput) -> None:
         if output.new_token_ids:
             now = time.monotonic()
             if self.last_token_at is None:
                 self.metrics.ttft.observe(now - self.started)
-                self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+                self._prompt_tokens(output.num_cached_tokens)
             else:
                 self.metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
             self.num_tokens += len(output.new_token_ids)
             self.metrics.generation_tokens.inc(len(output.new_token_ids))
+        if output.queue_time_s is not None:
+            self.queue_s, self.prefill_s = output.queue_time_s, output.inference_time_s
+        if output.inference_time_s is not None:
+            self.inference_s = output.inference_time_s
         if output.finished:
             self.finish_reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "error"
+
+    def _prompt_tokens(self, cached: int) -> None:
+        metrics = self.metrics
+        metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        metrics.prompt_tokens_by_source["local_compute"].inc(self.num_prompt_tokens - cached)
+        metrics.prompt_tokens_by_source["local_cache_hit"].inc(cached)
+        metrics.prompt_tokens_cached.inc(cached)
+        metrics.prefill_kv_computed.observe(self.num_prompt_tokens - cached)
 
     def ended(self, finished: bool, reason: str | None = None) -> None:
         metrics = self.metrics
@@ -159,6 +252,16 @@ class RequestTrace(RequestObserver):
         metrics.e2e.observe(time.monotonic() - self.started)
         metrics.request_prompt_tokens.observe(self.num_prompt_tokens)
         metrics.request_generation_tokens.observe(self.num_tokens)
+        metrics.params_max_tokens.observe(self.max_tokens)
+        if self.queue_s is not None and self.prefill_s is not None and self.inference_s is not None:
+            decode_s = self.inference_s - self.prefill_s
+            metrics.queue_time.observe(self.queue_s)
+            metrics.prefill_time.observe(self.prefill_s)
+            metrics.decode_time.observe(decode_s)
+            metrics.inference_time.observe(self.inference_s)
+            # vLLM's per-request TPOT: the decode time over the tokens after the first (0 for one token)
+            metrics.request_tpot.observe(decode_s / (self.num_tokens - 1) if self.num_tokens > 1 else 0.0)
+        self.prompt.choice_ended(self.num_tokens)
 
 
 class EngineCollector(Collector):
@@ -177,6 +280,7 @@ class EngineCollector(Collector):
                 yield family
             if self.engine.stats is not None:  # the page count is known once the engine reported
                 yield self._cache_config(prefix, stats)
+            yield step_tokens_figure(prefix, stats, labels)
         yield from engram_figures(stats.engram or EngramStats(), labels)  # zeros without a tiered store
 
     def _cache_config(self, prefix: str, stats: EngineStats) -> GaugeMetricFamily:
@@ -211,6 +315,16 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
     else:  # vLLM's name before 0.9, still read by older dashboards
         figures.append((gauge, "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)))
     return figures
+
+
+def step_tokens_figure(prefix: str, stats: EngineStats, labels: list[str]) -> HistogramMetricFamily:
+    """Tokens per engine step, from the engine's cumulative counts (vLLM's name, with its `_total`)."""
+    family = HistogramMetricFamily(f"{prefix}:iteration_tokens_total",
+                                   "Histogram of number of tokens per engine_step.", labels=LABELS)
+    steps = stats.step_tokens
+    buckets = [(floatToGoString(edge), count) for edge, count in zip(STEP_TOKEN_BUCKETS, steps.buckets)]
+    family.add_metric(labels, buckets + [("+Inf", steps.count)], steps.total)
+    return family
 
 
 def engram_figures(stats: EngramStats, labels: list[str]) -> Iterator[Metric]:

@@ -8,6 +8,9 @@ sampler as NaN logits: a positive temperature below MIN_TEMPERATURE is raised to
 
 Flags, token ids and `logprobs` are strict, as vLLM's fields are: `stream: "yes"`, `tokens: [true]` or
 `logprobs: false` is a 400 naming the field, not quietly read as true / 1 / 0.
+
+A vLLM field declared here does what vLLM's does; the vLLM fields this server does not implement are
+refused with a 400 naming them (server/unsupported_fields.py); fields vLLM does not have are tolerated.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +39,7 @@ from contract.sampling import (
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default max_logprobs)
 
 
 class StreamOptions(BaseModel):
@@ -72,6 +77,16 @@ class SamplingFields(BaseModel):
     # vLLM: requests only reuse prefix-cache state of requests with the same salt (tenants never share)
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
+    # vLLM's extras (declared after n and stream, which their checks read)
+    best_of: StrictInt | None = Field(default=None, ge=1)  # only n itself: every choice drawn is returned
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1, le=INT64_MAX)  # keep the last k
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top-k per prompt token
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    # decoding never puts spaces around special tokens (nor does vLLM's with a fast tokenizer), so no value
+    # changes the text
+    spaces_between_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
 
     @field_validator("temperature")
     @classmethod
@@ -79,6 +94,31 @@ class SamplingFields(BaseModel):
         """vLLM's rule: 0 < temperature < MIN_TEMPERATURE runs at MIN_TEMPERATURE (dividing the logits
         by less overflows float32); 0 stays greedy."""
         return MIN_TEMPERATURE if 0.0 < temperature < MIN_TEMPERATURE else temperature
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        """best_of > n would draw choices to throw away (vLLM's current API has no best_of either);
+        best_of = n is just n."""
+        n = info.data.get("n")
+        if best_of is not None and n is not None and best_of != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported: every choice drawn is returned")
+        return best_of
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_keeps_a_token(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be -1 (as many tokens as fit) or at least 1")
+        return keep
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_are_not_streamed(cls, top: int | None, info: ValidationInfo) -> int | None:
+        """vLLM refuses them with stream=true too: a stream has no place for them."""
+        if top is not None and info.data.get("stream"):
+            raise ValueError("not available with stream=true")
+        return top
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -99,23 +139,29 @@ class SamplingFields(BaseModel):
         raise NotImplementedError
 
     @property
-    def prompt_logprobs(self) -> int | None:
-        """Top alternatives to report per prompt token (None: no prompt logprobs)."""
+    def echo_logprobs(self) -> int | None:
+        """Top alternatives per prompt token in the echoed logprobs (None: none are echoed)."""
         return None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes per prompt token: enough for the echo and for prompt_logprobs."""
+        return max((k for k in (self.prompt_logprobs, self.echo_logprobs) if k is not None), default=None)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: StrictBool = True  # a text prompt starts with the BOS (token ids are taken as they are)
 
     @property
     def sample_logprobs(self) -> int | None:
         return self.logprobs
 
     @property
-    def prompt_logprobs(self) -> int | None:
+    def echo_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
 
@@ -137,12 +183,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it), else the
+# token and its top alternatives by id, each {"logprob", "rank", "decoded_token"} (server/logprobs.py)
+PromptLogprobs = list[dict[int, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -109,7 +109,8 @@ def test_a_chat_body_is_read_once_whatever_n(checkpoints, monkeypatch):
     fmt = ChatFormat.for_checkpoint(directory, config["model_type"])
     reads = []
     original = ChatRequest.from_body
-    monkeypatch.setattr(ChatRequest, "from_body", staticmethod(lambda body: reads.append(1) or original(body)))
+    monkeypatch.setattr(ChatRequest, "from_body",
+                        staticmethod(lambda body, *defaults: reads.append(1) or original(body, *defaults)))
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=2,
                                  stream=True, seed=11)
     call = build_chat_call(body, fmt, tokenizer, 256, "x")

@@ -3,6 +3,7 @@
 Public API::
 
     fmt = ChatFormat.for_checkpoint(model_dir, model_type)   # config.json model_type
+    # (optionally a template replacing the checkpoint's, and default chat_template_kwargs)
     prompt = fmt.render(body)             # str with BOS: tokenize it without adding another
     parser = fmt.parser(body, prompt)     # one per request; the prompt tells if <think> is open
     deltas = parser.feed(text_delta)      # list[Delta]; Delta.to_openai() is a chunk's "delta"
@@ -16,7 +17,8 @@ Any client mistake raises `ChatRequestError(message, param)`, a ValueError: answ
 Families: model_type deepseek_v4 -> V4; deepseek_v41 / deepseek_v41_text -> V4.1. Prompts and
 parses are vLLM 0.33.0's, byte for byte. A checkpoint's own Jinja template
 (chat_template.jinja, or tokenizer_config.json "chat_template") takes precedence for
-rendering; output is still parsed with the family's dialect. Another family without a
+rendering (a template handed to for_checkpoint, the server's chat.template, over both); output
+is still parsed with the family's dialect. Another family without a
 template cannot serve chat (ChatRequestError at render).
 
 Request fields consumed: messages (string or list-of-text-part content; reasoning /

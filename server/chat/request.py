@@ -24,6 +24,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # level) stays far below the default recursion limit of 1000 with the server's own frames on top
 MAX_NESTING = 128
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+THINKING_KEYS = ("thinking", "enable_thinking")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class ChatRequest:
     parallel_tool_calls: bool
 
     @staticmethod
-    def from_body(body: Mapping[str, Any]) -> ChatRequest:
+    def from_body(body: Mapping[str, Any], default_template_kwargs: Mapping[str, Any] | None = None) -> ChatRequest:
+        """`default_template_kwargs`: the server's chat.default_template_kwargs, under the request's own."""
         if not isinstance(body, Mapping):
             raise ChatRequestError("the request body must be a JSON object")
         _refuse_deep_nesting(body)
@@ -73,7 +75,7 @@ class ChatRequest:
             messages=_messages(body.get("messages")),
             tools=tools,
             tool_choice=_tool_choice(body.get("tool_choice"), tools),
-            template_kwargs=_template_kwargs(body),
+            template_kwargs=_template_kwargs(body, default_template_kwargs or {}),
             include_reasoning=include,
             parallel_tool_calls=parallel is not False,
         )
@@ -199,11 +201,14 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> str:
     raise ChatRequestError(message, "tool_choice")
 
 
-def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
-    """chat_template_kwargs overlaid with the top-level knobs that are set, as vLLM merges them.
+def _template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The server's defaults, then chat_template_kwargs, then the top-level knobs that are set, as
+    vLLM merges them (its --default-chat-template-kwargs lie under the request's keys).
 
     A top-level reasoning_effort also sets enable_thinking (off for "none") unless the client
     set enable_thinking itself; so effort "high" overrides chat_template_kwargs.thinking=false.
+    thinking and enable_thinking are one knob spelled two ways: a request that sets either (or an
+    effort) drops both from the defaults, so its own choice is the one rendered.
     """
     user = body.get("chat_template_kwargs") or {}
     if not isinstance(user, Mapping):
@@ -221,4 +226,7 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     }
     if effort is not None and "enable_thinking" not in user:
         top["enable_thinking"] = effort != "none"
-    return {**user, **{k: v for k, v in top.items() if v is not None}}
+    own = {**user, **{k: v for k, v in top.items() if v is not None}}
+    if any(key in own for key in THINKING_KEYS):
+        defaults = {k: v for k, v in defaults.items() if k not in THINKING_KEYS}
+    return {**defaults, **own}

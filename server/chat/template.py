@@ -45,7 +45,9 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, *
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+    def __init__(
+        self, source: str, special_tokens: Mapping[str, str], origin: str = "the checkpoint's chat template"
+    ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
@@ -57,14 +59,17 @@ class ChatTemplate:
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:
-            raise ValueError(f"the checkpoint's chat template does not compile: {exc}") from exc
+            raise ValueError(f"{origin} does not compile: {exc}") from exc
         self._special_tokens = dict(special_tokens)
 
     @staticmethod
-    def from_checkpoint(model_dir: Path) -> ChatTemplate | None:
-        """chat_template.jinja, else tokenizer_config.json's chat_template; None when neither."""
+    def from_checkpoint(model_dir: Path, source: str | None = None) -> ChatTemplate | None:
+        """`source` (the server's chat.template), else chat_template.jinja, else tokenizer_config.json's
+        chat_template; None when none. The special tokens are the checkpoint's either way."""
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        if source is not None:
+            return ChatTemplate(source, _special_tokens(config), "chat.template (--chat-template)")
         jinja_path = model_dir / "chat_template.jinja"
         source = jinja_path.read_text() if jinja_path.exists() else _config_template(config)
         if not source:
