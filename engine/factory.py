@@ -21,6 +21,7 @@ from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.admission import MemoryPlan, plan_pages
 from engine.loop import EngineCore, OutputSink
 from engine.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
+from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
 from models import SINGLE, ModelConfig, TensorParallel, load_model
@@ -120,7 +121,9 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
         block_tokens=sched.block_tokens,
         prefix_snapshots=sched.snapshot_slots,
     )
-    engine = EngineCore(Scheduler(limits), pool, on_outputs)
+    vocabulary = GrammarVocabulary(config.model_dir / "tokenizer.json", model_config.vocab_size,
+                                   model_config.eos_token_ids, model_config.model_type)
+    engine = EngineCore(Scheduler(limits), pool, on_outputs, StructuredOutputs(vocabulary))
     device = resolve_device(config)
     dtype = str(resolve_dtype(config, device)).removeprefix("torch.")
     log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype, pool.world)

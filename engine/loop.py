@@ -4,17 +4,37 @@ Requests and aborts arrive through a thread-safe inbox; each step's outputs leav
 callback call (one frame per step on the wire). A failing step ends the requests it carried with an
 error reason and the loop goes on (the server stays up). The executor is injected behind the
 contract's ModelExecutor protocol, so this module never imports torch.
+
+Requests with an output constraint (`params.structured`) are matched by the engine's
+StructuredOutputs (engine/structured_outputs.py; injected, like the executor): before each step
+every drawing constrained chunk gets its grammar's token bitmask, after it the matchers take the
+tokens the scheduler kept. A grammar that cannot be used fails its request alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from contract import EngineStats, ModelExecutor, NewRequest, RequestOutput, StepTokens
+from contract import (
+    ChunkResult,
+    EngineStats,
+    ModelExecutor,
+    NewRequest,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+    StepTokens,
+    StructuredOutput,
+)
 from scheduler import Scheduler
+
+if TYPE_CHECKING:  # xgrammar (and torch) load in the engine process only, with the factory
+    from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("ds4serve.engine")
 
@@ -22,8 +42,10 @@ OutputSink = Callable[[Sequence[RequestOutput]], None]  # called once per step w
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_outputs: OutputSink) -> None:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_outputs: OutputSink,
+                 structured: StructuredOutputs | None = None) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
+        self.structured = structured  # None: constrained requests are refused
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -40,6 +62,8 @@ class EngineCore:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.structured is not None:
+            self.structured.close()
 
     @property
     def alive(self) -> bool:
@@ -59,6 +83,14 @@ class EngineCore:
         self.scheduler.validate(request)
         self._inbox.put(("add", request))
 
+    def check_grammar(self, structured: StructuredOutput, reply: Callable[[str | None], None]) -> None:
+        """Compiles a constraint off the loop (kept for the request that follows); reply(None) when it
+        compiled, reply(why not) otherwise, from a compile thread."""
+        if self.structured is None:
+            reply("structured outputs are unavailable in this engine")
+        else:
+            self.structured.check(structured, reply)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
@@ -72,7 +104,9 @@ class EngineCore:
         except Exception as exc:  # the loop cannot go on (e.g. a rank failed and the config says exit)
             log.exception("the engine loop stopped")
             self.failure = f"{type(exc).__name__}: {exc}"
-            self._emit(self.scheduler.fail_all(f"the engine stopped: {self.failure}"))
+            outputs = self.scheduler.fail_all(f"the engine stopped: {self.failure}")
+            self._release_grammars(outputs)
+            self._emit(outputs)
 
     def _maintain(self) -> None:
         """Lets the executor repair itself between steps (restart a failed tensor-parallel pool)."""
@@ -89,16 +123,28 @@ class EngineCore:
             return
         while True:
             if kind == "add":
-                self.scheduler.add(payload)  # type: ignore[arg-type]
+                self._add(payload)  # type: ignore[arg-type]
             elif kind == "abort":
                 output = self.scheduler.abort(payload)  # type: ignore[arg-type]
                 if output is not None:
                     self._emit([output])
                     self.executor.cancel(payload)  # drop the request's pending prefetches
+                    self._release_grammars([output])
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add(self, request: NewRequest) -> None:
+        structured = request.params.structured
+        if structured is not None:
+            if self.structured is None:  # the front end checked its grammar with this engine: a safety net
+                self._emit([RequestOutput(request.request_id, finished=True, finish_reason="error",
+                                          error="structured outputs are unavailable in this engine",
+                                          num_prompt_tokens=len(request.prompt_token_ids))])
+                return
+            self.structured.add(request.request_id, structured)
+        self.scheduler.add(request)
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -106,16 +152,59 @@ class EngineCore:
             return
         if plan.num_tokens:  # a step of state copies only runs no tokens
             self.step_tokens = self.step_tokens.observe(plan.num_tokens)
+        plan, grammar_errors = self._constrain(plan)
         try:
             result = self.executor.execute(plan)
         except Exception as exc:  # a failing step fails its requests, not the engine
             log.exception("step failed")
             outputs, failed = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), True
         else:
-            outputs, failed = self.scheduler.update(plan, result), False
+            outputs, failed = self.scheduler.update(plan, _failing(result, grammar_errors)), False
         self.steps += 1
+        self._match(outputs)
         self._emit(outputs)
         if failed:
             self._maintain()  # e.g. a pool whose rank died restarts before the next step
         if not self.scheduler.has_work:
             self.scheduler.check_integrity()
+
+    def _constrain(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
+        """Each drawing constrained chunk with its grammar's bitmask; the requests whose grammar
+        cannot be used, with why (their chunks run unconstrained and their results become errors)."""
+        if self.structured is None:
+            return plan, {}
+        chunks, errors = list(plan.chunks), {}
+        for i, chunk in enumerate(chunks):
+            if chunk.sample and self.structured.constrained(chunk.request_id):
+                try:
+                    chunks[i] = dataclasses.replace(chunk, token_bitmask=self.structured.bitmask(chunk.request_id))
+                except Exception as exc:  # GrammarError, or a compile that failed otherwise
+                    errors[chunk.request_id] = f"structured output: {exc}"
+        return dataclasses.replace(plan, chunks=tuple(chunks)), errors
+
+    def _match(self, outputs: Sequence[RequestOutput]) -> None:
+        """The constrained requests' matchers take the tokens the scheduler kept; finished requests
+        let go of theirs."""
+        if self.structured is None:
+            return
+        for output in outputs:
+            if output.new_token_ids:
+                refused = self.structured.accept(output.request_id, output.new_token_ids)
+                if refused is not None:  # the bitmask allowed it: a bug, not the client's
+                    log.error("request %s: %s", output.request_id, refused)
+        self._release_grammars(outputs)
+
+    def _release_grammars(self, outputs: Sequence[RequestOutput]) -> None:
+        if self.structured is not None:
+            for output in outputs:
+                if output.finished:
+                    self.structured.release(output.request_id)
+
+
+def _failing(result: StepResult, errors: dict[str, str]) -> StepResult:
+    """`result` with the chunks of `errors`' requests failed."""
+    if not errors:
+        return result
+    chunks = tuple(ChunkResult(c.request_id, sampled=None, error=errors[c.request_id]) if c.request_id in errors else c
+                   for c in result.chunks)
+    return dataclasses.replace(result, chunks=chunks)

@@ -6,6 +6,9 @@ sends each step's outputs as one frame; this process's main thread receives requ
 EngineStats when they change, and ends the process when the front end says so, when the front end's
 process is gone (no orphans), or when the loop thread died (after telling the front end).
 
+A CheckGrammar is answered from the grammar compiler's thread when the compile ends (the outbox is
+locked, so any thread may send).
+
 Sockets (ZeroMQ, addresses chosen by the front end): this side binds the requests PULL socket and
 connects the outputs PUSH socket; both ends leave the high-water marks unbounded, so neither the
 engine loop nor the front end ever waits on the other.
@@ -26,9 +29,11 @@ import zmq
 
 from contract import (
     Abort,
+    CheckGrammar,
     EngineFailed,
     EngineReady,
     EngineStats,
+    GrammarChecked,
     NewRequest,
     RequestOutput,
     RequestRejected,
@@ -146,6 +151,9 @@ def handle(engine: EngineCore, message: object, outbox: Outbox) -> bool:
             )])
     elif isinstance(message, Abort):
         engine.abort(message.request_id)
+    elif isinstance(message, CheckGrammar):
+        check_id = message.check_id
+        engine.check_grammar(message.structured, lambda error: outbox.send(GrammarChecked(check_id, error)))
     else:
         assert isinstance(message, Shutdown), f"unexpected message {message!r}"
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from contract import NewRequest
 from contract.config import ServerSection
 from server.chat import ChatFormat
 from server.chat_completions import (
@@ -168,6 +169,11 @@ def create_app(
             return error_response(503, "the engine is starting", "service_unavailable")
         return None
 
+    async def check_grammars(requests: Sequence[NewRequest]) -> None:
+        """The engine compiles each distinct output constraint first (ClientError: it does not)."""
+        for structured in {r.params.structured for r in requests if r.params.structured is not None}:
+            await engine.check_grammar(structured)
+
     def check_model(name: str | None) -> None:
         if name is not None and name not in model.names:
             raise UnknownModel(name, model.name)
@@ -214,6 +220,7 @@ def create_app(
         check_model(body.model)
         response_id, requests = await off_loop(build_requests, body, tokenizer, model.max_model_len,
                                                request.state.request_id, settings.max_prompts_per_request)
+        await check_grammars(requests)
         call = engine.call(requests, body.n)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(requests), "n" if len(requests) == body.n else "prompt")
         if body.stream:
@@ -230,6 +237,7 @@ def create_app(
         if chat is None:
             raise ClientError("chat is unavailable on this server (no chat format for this model)", "messages")
         call = await off_loop(build_chat_call, body, chat, tokenizer, model.max_model_len, request.state.request_id)
+        await check_grammars(call.requests)
         engine_call = engine.call(call.requests, body.n)  # validates: refuses before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(call.requests))
         if body.stream:
@@ -252,6 +260,7 @@ def create_app(
         call = await off_loop(build_responses_call, body, history, chat, tokenizer, model.max_model_len,
                               request.state.request_id, model.name)
         with responses_params():
+            await check_grammars(call.chat.requests)
             engine_call = engine.call(call.chat.requests)  # validates before anything runs (and before a stream's 200)
         admission = lifecycle.admit(len(call.chat.requests))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from contract import NewRequest, TokenLogprob
 from server.chat import ChatFormat, Delta, OutputParser, ParsedMessage
+from server.chat.grammar import reasoning_open
 from server.chat.request import ChatRequest
 from server.chat.tokens import THINK_START
 from server.chat_protocol import (
@@ -43,8 +44,9 @@ from server.engine_client import EngineCall
 from server.incremental_text import IncrementalText
 from server.logprobs import floored, prompt_logprobs, token_label
 from server.protocol import Usage
-from server.request_errors import ClientError, RequestFailed
+from server.request_errors import RequestFailed
 from server.streaming import DONE, ChoiceStep, StreamUsage, choice_steps, error_frame, sse
+from server.structured_outputs import read_constraints, tool_call_constraint
 from server.tokenizer import TextTokenizer
 from server.unsupported_fields import BUILT_IN_CHAT, CHAT, refuse_unsupported
 
@@ -79,8 +81,6 @@ def build_chat_call(
     body: ChatCompletionRequest, fmt: ChatFormat, tokenizer: TextTokenizer, max_model_len: int, base_id: str
 ) -> ChatCall:
     """Raises ChatRequestError or ClientError (both 400) for what the client must fix."""
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise ClientError("response_format: only {'type': 'text'} is supported", "response_format")
     refuse_unsupported(body, CHAT)
     if fmt.template is None:  # the built-in encoder (a checkpoint's own template reads these itself)
         refuse_unsupported(body, BUILT_IN_CHAT)
@@ -91,7 +91,10 @@ def build_chat_call(
     ids = tokenizer.encode(prompt, body.add_special_tokens, bounded=body.truncate_prompt_tokens is None, param="messages")
     ids = truncated(ids, body, max_model_len)
     response_id, tag = f"chatcmpl-{base_id}", uuid.uuid4().hex[:8]
-    params, boundary, prompt_ids = sampling_params(body, len(ids), max_model_len), history_end(ids, tokenizer), tuple(ids)
+    forced = tool_call_constraint(chat.tools, chat.tool_choice, chat.tool_name, chat.parallel_tool_calls)
+    constraints = read_constraints(body, tokenizer, reasoning=reasoning_open(prompt), tool_call=forced)
+    params = constraints.applied(sampling_params(body, len(ids), max_model_len))
+    boundary, prompt_ids = history_end(ids, tokenizer), tuple(ids)
     requests = [NewRequest(f"{response_id}-{tag}-{i}", prompt_ids, for_choice(params, i), cache_salt=body.cache_salt,
                            cache_boundary=boundary) for i in range(body.n)]
     return ChatCall(response_id, body, raw, chat, prompt, requests)

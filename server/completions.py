@@ -33,6 +33,7 @@ from server.protocol import (
 )
 from server.request_errors import ClientError, RequestFailed
 from server.streaming import DONE, StreamUsage, cached_tokens, choice_steps, error_frame, sse
+from server.structured_outputs import read_constraints
 from server.tokenizer import TextTokenizer
 from server.unsupported_fields import COMPLETIONS, refuse_unsupported
 
@@ -215,8 +216,9 @@ def build_requests(
     prompts = [truncated(ids, body, max_model_len) for ids in prompt_token_lists(body, tokenizer, max_prompts)]
     response_id, tag = f"cmpl-{base_id}", uuid.uuid4().hex[:8]
     requests = []
+    constraints = read_constraints(body, tokenizer)
     for p, ids in enumerate(prompts):
-        params = sampling_params(body, len(ids), max_model_len)
+        params = constraints.applied(sampling_params(body, len(ids), max_model_len))
         requests += [NewRequest(f"{response_id}-{tag}-{p}-{i}", tuple(ids), for_choice(params, i), cache_salt=body.cache_salt)
                      for i in range(body.n)]
     return response_id, requests

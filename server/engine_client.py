@@ -6,16 +6,19 @@ death are reported from a receiver thread and handed to the asyncio loop with ca
 (one hand-over per engine step), so nothing here blocks the loop. A call validates its requests once,
 when it is made (before an HTTP stream's 200); the engine process checks what arrives once more, since
 frames cross a process boundary. When the engine dies, every open call ends with an error output and
-new ones are refused.
+new ones are refused. A request's output constraint is compiled by the engine before the request is
+made (`check_grammar`), so a grammar that does not compile is the client's 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from contract import EngineStats, NewRequest, RequestOutput
+from contract import EngineStats, NewRequest, RequestOutput, StructuredOutput
+from server.request_errors import ClientError
 
 
 class EngineDeadError(RuntimeError):
@@ -30,6 +33,9 @@ class EngineHandle(Protocol):
 
     def validate(self, request: NewRequest) -> None:
         """Raises RequestRejected for a request the engine would refuse."""
+
+    def check_grammar(self, check_id: str, structured: StructuredOutput) -> None:
+        """Asks the engine to compile `structured`; the answer comes to EngineClient.on_grammar_checked."""
 
 
 class RequestObserver:
@@ -122,6 +128,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls: dict[str, tuple[EngineCall, int]] = {}  # request id -> its call and index there
         self._engine: EngineHandle | None = None
+        self._checks: dict[str, asyncio.Future[str | None]] = {}  # grammar checks waiting for the engine
         self.dead_reason: str | None = None
         self.stats: EngineStats | None = None  # the engine's latest report
         # one observer per request of a call, in order (metrics group each prompt's choices)
@@ -147,6 +154,33 @@ class EngineClient:
         for request in requests:
             self.validate(request)
         return EngineCall(self, self._engine, requests, n)
+
+    async def check_grammar(self, structured: StructuredOutput) -> None:
+        """Has the engine compile a request's output constraint before the request is made (it keeps
+        the result for it); raises ClientError naming the field when it does not compile, so a bad
+        schema is a 400 before any stream starts, EngineDeadError if the engine goes away meanwhile."""
+        assert self._engine is not None, "engine not connected"
+        self.check_alive()
+        check_id = uuid.uuid4().hex
+        answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._checks[check_id] = answer
+        try:
+            self._engine.check_grammar(check_id, structured)
+            error = await answer
+        finally:
+            self._checks.pop(check_id, None)
+        if error is not None:
+            raise ClientError(error, structured.param)
+
+    def on_grammar_checked(self, check_id: str, error: str | None) -> None:
+        """Engine side; thread-safe."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._answer_check, check_id, error)
+
+    def _answer_check(self, check_id: str, error: str | None) -> None:
+        answer = self._checks.get(check_id)
+        if answer is not None and not answer.done():
+            answer.set_result(error)
 
     async def generate(self, request: NewRequest) -> AsyncIterator[RequestOutput]:
         """One request's outputs until the finished one (a call of one)."""
@@ -195,3 +229,6 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         for call in {id(call): call for call, _ in self._calls.values()}.values():
             call.interrupt(EngineDeadError(reason))
+        for answer in self._checks.values():
+            if not answer.done():
+                answer.set_exception(EngineDeadError(reason))

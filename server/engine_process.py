@@ -24,12 +24,15 @@ import zmq
 
 from contract import (
     Abort,
+    CheckGrammar,
     EngineFailed,
     EngineReady,
     EngineStats,
+    GrammarChecked,
     NewRequest,
     Shutdown,
     StepOutputs,
+    StructuredOutput,
     validate_request,
 )
 from contract.codec import decode, encode
@@ -87,6 +90,9 @@ class EngineProcess:
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
+
+    def check_grammar(self, check_id: str, structured: StructuredOutput) -> None:
+        self._send(CheckGrammar(check_id, structured))
 
     def validate(self, request: NewRequest) -> None:
         validate_request(self.ready.limits, request)
@@ -158,6 +164,8 @@ class EngineProcess:
             self._client.on_outputs(message.outputs)
         elif isinstance(message, EngineStats):
             self._client.on_stats(message)
+        elif isinstance(message, GrammarChecked):
+            self._client.on_grammar_checked(message.check_id, message.error)
         else:
             assert isinstance(message, EngineFailed), f"unexpected message {message!r}"
             self._failure = message.error

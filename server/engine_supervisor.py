@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from contract import EngineReady, NewRequest
+from contract import EngineReady, NewRequest, StructuredOutput
 from contract.config import ServeConfig
 from server.engine_client import EngineClient
 from server.engine_process import EngineProcess, EngineStartError
@@ -53,6 +53,9 @@ class EngineSupervisor:
 
     def abort(self, request_id: str) -> None:
         self._process.abort(request_id)
+
+    def check_grammar(self, check_id: str, structured: StructuredOutput) -> None:
+        self._process.check_grammar(check_id, structured)
 
     def stop(self) -> None:
         with self._lock:

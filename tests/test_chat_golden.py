@@ -166,15 +166,27 @@ def test_parse_every_split(case: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+    "tool_choice, kept", [("required", ("required", None)),
+                          ({"type": "function", "function": {"name": "get_time"}}, ("function", "get_time"))]
 )
-def test_constrained_tool_choice_is_a_400(tool_choice: Any) -> None:
+def test_a_constrained_tool_choice_is_kept_for_the_grammar(tool_choice: Any, kept: tuple) -> None:
+    """required / named choices are read (server/structured_outputs.py constrains the output); the
+    prompt renders as under "auto"."""
     body = {
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "get_time"}}],
         "tool_choice": tool_choice,
     }
-    with pytest.raises(ChatRequestError, match="not supported") as info:
+    fmt = ChatFormat.for_checkpoint(None, "deepseek_v4")
+    request = fmt.read(body)
+    assert (request.tool_choice, request.tool_name) == kept
+    assert fmt.render(body) == fmt.render({**body, "tool_choice": "auto"})
+
+
+def test_a_named_tool_choice_must_name_a_tool() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "get_time"}}],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    with pytest.raises(ChatRequestError, match="not among the tools") as info:
         ChatFormat.for_checkpoint(None, "deepseek_v4").render(body)
     assert info.value.param == "tool_choice"
 

@@ -219,7 +219,8 @@ class ModelRunner:
         drawing = [c for c in step.plan.chunks if c.sample and c.request_id not in step.errors]
         if drawing:
             logits = torch.stack([self._sampling_logits(step, chunk) for chunk in drawing])
-            rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids) for c in drawing]
+            rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids, c.token_bitmask)
+                    for c in drawing]
             for chunk, token in zip(drawing, sample_rows(logits, rows)):
                 if token is None:
                     step.errors[chunk.request_id] = NOT_DRAWABLE

@@ -1,16 +1,19 @@
 """Token sampling and logprobs from one step's logits, all the step's sampling rows at once.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as vLLM and
-OpenAI report them: logit_bias, the min_tokens ban and the presence / frequency / repetition
-penalties change only what is drawn (greedy's argmax included), as temperature / top-k / top-p /
-min-p do. Greedy takes the argmax (lowest id among equal maxima). A seeded request draws from its own
+OpenAI report them: the masks (allowed_token_ids, bad_words, the grammar's token bitmask), logit_bias,
+the min_tokens ban and the presence / frequency / repetition penalties change only what is drawn
+(greedy's argmax included: the best token the masks leave), as temperature / top-k / top-p / min-p
+do. One difference from vLLM: it applies the grammar's bitmask before its sampler, so its logprobs of
+a structured request are the masked distribution's; here they stay the model's, as for every other
+mask. Greedy takes the argmax (lowest id among equal maxima). A seeded request draws from its own
 generator, keyed by seed and draw index, so its tokens do not depend on what else shares the batch.
 
 `sample_rows` draws a step's rows together: each parameter becomes one tensor across the rows that
-use it (biases, bans, penalties, temperature, top-k, min-p, top-p), so a step costs a fixed number
-of kernels and host reads whatever its batch. A step whose rows are all plain
-(`SamplingParams.plain_at`: greedy, nothing reshapes the logits, no top logprobs: the common decode
-step) takes one argmax and nothing else. Two things stay per row, both so that a row's token depends
+use it (masks, biases, bans, penalties, temperature, top-k, min-p, top-p), so a step costs a fixed
+number of kernels and host reads whatever its batch. A step whose rows are all plain
+(`DrawRow.plain`: greedy, nothing reshapes the logits, no top logprobs: the common decode step) takes
+one argmax and nothing else. Two things stay per row, both so that a row's token depends
 on that row alone:
 - a seeded row's draw, from its own generator; unseeded rows draw together from one generator.
 - top-p's cumulative sum: CUDA scans a lone row with another algorithm than the rows of a batch (a
@@ -44,19 +47,28 @@ from kernels import stable_topk
 
 # why a row that comes back as None fails its request (the client reads it)
 NOT_DRAWABLE = ("the next token cannot be sampled: the logits, or the distribution the sampling parameters "
-                "make of them, are not finite (NaN or infinite)")
+                "make of them, are not finite (NaN or infinite), or the parameters and the grammar exclude "
+                "every token")
 
 
 @dataclass(frozen=True)
 class DrawRow:
     """One row to draw: its params, its draw index (output tokens before this draw: it keys a seeded
-    generator and the min_tokens ban) and the token histories its penalties read (empty unless
-    `params` penalizes: the scheduler fills them only then)."""
+    generator and the min_tokens ban), the token histories its penalties and multi-id bad words read
+    (empty unless `params.penalizes_output`: the scheduler fills them only then) and the grammar's
+    token bitmask for this draw (ScheduledChunk.token_bitmask; empty: any token)."""
 
     params: SamplingParams
     draw_index: int
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    token_bitmask: Sequence[int] = ()
+
+    @property
+    def plain(self) -> bool:
+        """The draw is the raw argmax (`SamplingParams.plain_at`). The bitmask is the chunk's, not the
+        params', so it is checked here too: a row given one is masked whatever its params say."""
+        return self.params.plain_at(self.draw_index) and not self.token_bitmask
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprob:
@@ -75,19 +87,21 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top_n: int | N
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, draw_index: int,
-    prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = (),
+    prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = (), token_bitmask: Sequence[int] = (),
 ) -> TokenLogprob | None:
     """logits: [vocab] float32 row for one sequence; draw_index: output tokens so far. The token
-    histories are needed only when `params` has penalties; the returned logprobs are the raw logits'
-    log-softmax whatever shaped the draw. None: the row cannot be drawn (see the module docstring)."""
-    return sample_rows(logits[None], [DrawRow(params, draw_index, prompt_token_ids, output_token_ids)])[0]
+    histories are needed only when `params` penalizes output (penalties, multi-id bad words); the
+    returned logprobs are the raw logits' log-softmax whatever shaped the draw. None: the row cannot be
+    drawn (see the module docstring)."""
+    row = DrawRow(params, draw_index, prompt_token_ids, output_token_ids, token_bitmask)
+    return sample_rows(logits[None], [row])[0]
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob | None]:
     """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs, or None
     for a row whose logits or distribution are not finite (its request fails; the others are drawn)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    if all(row.params.plain_at(row.draw_index) for row in rows):
+    if all(row.plain for row in rows):
         tokens, drawable = torch.argmax(logits, dim=-1), None  # a NaN / inf row shows in its chosen logprob
     else:
         tokens, drawable = _draw(_adjusted(logits, rows), rows)
@@ -95,14 +109,47 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogp
 
 
 def _adjusted(logits: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
-    """The logits the draws use, in vLLM's order: logit_bias, the min_tokens ban, then penalties.
-    Each touches only the rows that ask for it; the others keep their logits bit for bit."""
+    """The logits the draws use, in vLLM's order: the masks (grammar bitmask, allowed_token_ids,
+    bad_words), logit_bias, the min_tokens ban, then penalties. Each touches only the rows that ask for
+    it; the others keep their logits bit for bit. A masked token stays -inf through the later steps
+    (a finite bias, a positive penalty factor or a finite subtraction leave -inf as it is)."""
     logits = logits.clone()
+    _mask_bitmask(logits, rows)
+    _allow_only(logits, rows)
+    _exclude(logits, [(i, token) for i, row in enumerate(rows)
+                      for token in row.params.bad_word_bans(row.output_token_ids)])
     _add_bias(logits, rows)
-    _ban(logits, rows)
+    _exclude(logits, [(i, token) for i, row in enumerate(rows) for token in row.params.banned_at(row.draw_index)])
     _penalize_repeats(logits, rows)
     _penalize_counts(logits, rows)
     return logits
+
+
+def _mask_bitmask(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    """The grammar's bitmasks (xgrammar's layout: token t is bit t % 32 of int32 word t // 32), all
+    rows' words unpacked at once on the logits' device. Words past the vocabulary's are ignored and
+    tokens past the row's words are excluded (missing words count as zeros)."""
+    index = [i for i, row in enumerate(rows) if row.token_bitmask]
+    if not index:
+        return
+    vocab = logits.shape[-1]
+    width = -(-vocab // 32)  # the words that cover the vocabulary
+    padded = [[*mask[:width], *[0] * (width - len(mask))] for mask in (rows[i].token_bitmask for i in index)]
+    words = torch.tensor(padded, dtype=torch.int32, device=logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(index), width * 32)[:, :vocab].bool()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _allow_only(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
+    """allowed_token_ids: every other token of the rows that set it is excluded."""
+    index = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not index:
+        return
+    allowed = torch.zeros(len(index), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    entries = [(j, token) for j, i in enumerate(index) for token in rows[i].params.allowed_token_ids]
+    allowed[_at(logits, *zip(*entries))] = True
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _add_bias(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
@@ -112,8 +159,8 @@ def _add_bias(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
         logits.index_put_(_at(logits, index, tokens), _floats(logits, biases), accumulate=True)
 
 
-def _ban(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
-    entries = [(i, token) for i, row in enumerate(rows) for token in row.params.banned_at(row.draw_index)]
+def _exclude(logits: torch.Tensor, entries: Sequence[tuple[int, int]]) -> None:
+    """(row, token) entries set to -inf in one scatter: bad words' bans, the min_tokens ban."""
     if entries:
         index, tokens = zip(*entries)
         logits[_at(logits, index, tokens)] = float("-inf")

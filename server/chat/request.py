@@ -49,10 +49,11 @@ class RequestMessage:
 class ChatRequest:
     messages: tuple[RequestMessage, ...]
     tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {...}} as vLLM dumps it
-    tool_choice: str  # "auto" or "none"
+    tool_choice: str  # "auto", "none", "required" (a call of some tool) or "function" (of tool_name)
     template_kwargs: Mapping[str, Any]  # the effective chat-template kwargs (vLLM's merge)
     include_reasoning: bool
     parallel_tool_calls: bool
+    tool_name: str | None = None  # tool_choice "function": the tool that must be called
 
     @staticmethod
     def from_body(body: Mapping[str, Any], default_template_kwargs: Mapping[str, Any] | None = None) -> ChatRequest:
@@ -71,10 +72,12 @@ class ChatRequest:
             raise ChatRequestError("include_reasoning must be a boolean", "include_reasoning")
         if parallel is not None and not isinstance(parallel, bool):
             raise ChatRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
         return ChatRequest(
             messages=_messages(body.get("messages")),
             tools=tools,
-            tool_choice=_tool_choice(body.get("tool_choice"), tools),
+            tool_choice=tool_choice,
+            tool_name=tool_name,
             template_kwargs=_template_kwargs(body, default_template_kwargs or {}),
             include_reasoning=include,
             parallel_tool_calls=parallel is not False,
@@ -182,22 +185,23 @@ def _tool(raw: Any) -> dict[str, Any]:
     return {"type": "function", "function": dumped}
 
 
-def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> str:
+def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | None]:
+    """(choice, the named tool): "required" and a named function are kept to constrained decoding
+    (server/structured_outputs.py), which makes the output a call of the tools."""
     if raw is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if raw == "none":
-        return raw
+        return raw, None
     if not tools:
         raise ChatRequestError("tool_choice needs tools", "tool_choice")
-    if raw == "auto":
-        return raw
-    if raw == "required" or isinstance(raw, Mapping):
-        raise ChatRequestError(
-            "tool_choice 'required' or a named function needs constrained decoding, "
-            "which is not supported yet; use 'auto' or 'none'",
-            "tool_choice",
-        )
-    message = "tool_choice must be 'auto', 'none', 'required' or a named function"
+    if raw in ("auto", "required"):
+        return raw, None
+    if isinstance(raw, Mapping) and raw.get("type") == "function" and isinstance(raw.get("function"), Mapping):
+        name = raw["function"].get("name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ChatRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return "function", name
+    message = "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
     raise ChatRequestError(message, "tool_choice")
 
 
