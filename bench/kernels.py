@@ -8,8 +8,8 @@ it replaces, so a dispatch threshold is a measured choice.
   distinct experts hold and the bandwidth that implies.
 - moe_mxfp4: the same layer with MXFP4 experts (as released): the pairwise kernels beside the
   tensor-core kernels of kernels/moe_mxfp4.py (decode: `by_expert`, scanning; prefill: `sorted`, and
-  the reference's dequantizing loop), each with `dot_scaled`'s upcast and the bit decode, over a
-  sweep of block shapes; bytes are the distinct experts' packed bytes.
+  the reference's dequantizing loop), each with every upcast of `UPCASTS` (`dot_scaled`, the bit
+  decode, the PTX decode) over a sweep of block shapes; bytes are the distinct experts' packed bytes.
 - attention: decode attention over window 128 + 512 selected entries, 64 heads of 512: Triton vs
   the torch reference, per batch size.
 Times are CUDA-event medians of --repeats calls after 5 warm-up calls.
@@ -26,7 +26,7 @@ import torch
 from bench.slice_roofline import timed_ms
 from kernels.attention import decode_attention_reference, decode_attention_triton
 from kernels.moe import MXFP4Experts, experts_grouped, experts_pairwise, experts_reference
-from kernels.moe_mxfp4 import experts_by_expert, experts_sorted
+from kernels.moe_mxfp4 import UPCASTS, experts_by_expert, experts_sorted
 from kernels.quant import quantize_mxfp4
 
 
@@ -87,9 +87,8 @@ def bench_moe_mxfp4(repeats: int) -> None:
     gate_up, down = _mxfp4_layer(generator, experts_total, dim, inter)
     per_expert = sum(w.codes[0].numel() + w.scales[0].numel() for w in (gate_up, down))
     decode = [{"gate_up": (16, n, k, w), "down": (16, n, k, w)} for n, k, w in
-              ((32, 256, 4), (64, 256, 4), (64, 128, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8))]
-    prefill = [{"gate_up": (m, n, k, w), "down": (m, n, k, w)} for m, n, k, w in
-               ((64, 64, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8), (128, 128, 128, 8))]
+              ((64, 128, 4), (32, 128, 4), (64, 256, 4), (128, 128, 4))]
+    prefill = [{"gate_up": (m, n, k, w), "down": (m, n, k, w)} for m, n, k, w in ((64, 64, 128, 4), (128, 128, 128, 8))]
     for tokens in (1, 4, 8, 32, 64, 128, 512, 2048, 8192):
         x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
         scores = torch.rand(tokens, experts_total, device="cuda", generator=generator)
@@ -102,11 +101,11 @@ def bench_moe_mxfp4(repeats: int) -> None:
         runs = []
         if tokens <= 128:
             runs.append(("pairwise", None, lambda: experts_pairwise(*args)))
-            runs += [(f"by_expert_{'scaled' if s else 'bits'}", b, (lambda b=b, s=s: experts_by_expert(*args, blocks=b, scaled=s)))
-                     for b in decode for s in (True, False)]
+            runs += [(f"by_expert_{u}", b, (lambda b=b, u=u: experts_by_expert(*args, blocks=b, upcast=u)))
+                     for b in decode for u in UPCASTS]
         if tokens >= 32:
-            runs += [(f"sorted_{'scaled' if s else 'bits'}", b, (lambda b=b, s=s: experts_sorted(*args, blocks=b, scaled=s)))
-                     for b in prefill for s in (True, False)]
+            runs += [(f"sorted_{u}", b, (lambda b=b, u=u: experts_sorted(*args, blocks=b, upcast=u)))
+                     for b in prefill for u in UPCASTS]
         if tokens >= 512:
             runs.append(("reference", None, lambda: experts_reference(*args)))
         for name, blocks, fn in runs:

@@ -5,8 +5,9 @@ codes one value at a time on the CUDA cores: a batch of 32 tokens decodes and st
 matrices where ~139 distinct ones exist, and the decoding arithmetic, not memory, bounds them (issue
 20: 7.5% of the bandwidth roofline at batch 32). Here one program owns one (expert, block of output
 rows) and multiplies every pair routed to that expert at once: a [pairs, K] x [K, rows] product on the
-tensor cores, the codes expanded to bf16 in registers (`tl.dot_scaled`, Triton's E2M1 + E8M0 upcast,
-or the bit decode below), so an expert's bytes cross the memory bus once however many tokens chose it.
+tensor cores, the codes expanded to bf16 in registers (`UPCASTS`: `tl.dot_scaled`, Triton's E2M1 + E8M0
+upcast; the bit decode below in Triton operations; or the inline-PTX decode below, 8 codes a 32-bit
+word), so an expert's bytes cross the memory bus once however many tokens chose it.
 
 Two ways to find an expert's pairs, one kernel body:
 - decode (`experts_by_expert`, up to MAX_SCAN_PAIRS pairs): program (pair, row block) works only if its
@@ -38,35 +39,39 @@ except ImportError:  # CPU-only installs: the reference path runs
 
 # pairs (tokens x top-k) up to which the decode kernels scan the step's expert ids in every program
 MAX_SCAN_PAIRS = 1024
+# how the codes become bf16 for the tensor cores (the first two also run in Triton's interpreter; "ptx"
+# is inline PTX, compiled for the GPU only)
+UPCASTS = ("dot_scaled", "bits", "ptx")
 # (pairs, output rows, K step, warps) per program, and the upcast, from bench.kernels' moe_mxfp4 sweep
-# on the H200 (BENCHMARKS.md): decode with the bit decode, 16 x 64 x 128 (the best or within 10% of it
-# from 4 to 128 tokens); prefill with dot_scaled, 64 x 64 x 128 (best from 32 to 2048 tokens, 10%
-# behind 128 x 128 x 128 at 8192)
+# on the H200 (BENCHMARKS.md): the PTX upcast was the fastest at every size; decode 16 x 128 x 128 (the
+# best from 1 to 128 tokens: 1.6x the bit decode's best at 32), prefill 64 x 64 x 128 (best from 32 to
+# 2048 tokens, 13% behind 128 x 128 x 128 with 8 warps at 8192)
 Blocks = dict[str, tuple[int, int, int, int]]
-DECODE_BLOCKS: Blocks = {"gate_up": (16, 64, 128, 4), "down": (16, 64, 128, 4)}
+DECODE_BLOCKS: Blocks = {"gate_up": (16, 128, 128, 4), "down": (16, 128, 128, 4)}
 PREFILL_BLOCKS: Blocks = {"gate_up": (64, 64, 128, 4), "down": (64, 64, 128, 4)}
 
 
 def experts_by_expert(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
     first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = DECODE_BLOCKS,
-    scaled: bool = False,
+    upcast: str | None = None,
 ) -> torch.Tensor:
     """`experts_reference`'s contract (kernels/moe.py) for bf16 x and MXFP4 weights, at most
-    MAX_SCAN_PAIRS pairs. `scaled`: Triton's `dot_scaled` upcast, else the bit decode here."""
+    MAX_SCAN_PAIRS pairs. `upcast`: one of UPCASTS (None: "ptx", or "bits" in Triton's interpreter)."""
     tokens, k = experts.shape
     pairs = tokens * k
     if pairs > MAX_SCAN_PAIRS:
         raise ValueError(f"{pairs} (token, expert) pairs: the scanning kernels take at most {MAX_SCAN_PAIRS}")
     expert_of = _local_experts(experts, first, gate_up.shape[0])
     table = _ScanTable(expert_of, pairs, triton.next_power_of_2(pairs))
-    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks, scaled)
+    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
+                _checked(upcast))
 
 
 def experts_sorted(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
     first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = PREFILL_BLOCKS,
-    scaled: bool = True,
+    upcast: str | None = None,
 ) -> torch.Tensor:
     """The same for any number of pairs (prefill): pairs sorted by expert into blocks of one expert."""
     tokens, k = experts.shape
@@ -75,11 +80,22 @@ def experts_sorted(
     table = _SortedTable.build(expert_of, held, blocks["gate_up"][0])
     if blocks["down"][0] != blocks["gate_up"][0]:
         raise ValueError("the sorted kernels share one block table: gate_up and down need the same BLOCK_M")
-    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks, scaled)
+    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
+                _checked(upcast))
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _checked(upcast: str | None) -> str:
+    if upcast is None:
+        return "bits" if _interpreting() else "ptx"
+    if upcast not in UPCASTS:
+        raise ValueError(f"upcast {upcast!r}: one of {UPCASTS}")
+    if upcast == "ptx" and _interpreting():
+        raise ValueError("Triton's interpreter runs no inline PTX: upcast 'ptx' needs the GPU")
+    return upcast
 
 
 def _local_experts(experts: torch.Tensor, first: int, held: int) -> torch.Tensor:
@@ -136,7 +152,7 @@ class _SortedTable:
 def _run(
     x: torch.Tensor, weights: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
     gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
-    blocks: Blocks, scaled: bool,
+    blocks: Blocks, upcast: str,
 ) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 tensor-core experts take bf16 activations, got {x.dtype}")
@@ -148,7 +164,7 @@ def _run(
     weight = torch.where(expert_of >= 0, weights.flatten().float(), 0.0).contiguous()
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' pairs stay 0
-    shared = dict(SORTED=table.SORTED, PAIRS_POW2=table.pairs_pow2, SCALED=scaled, F32_DOT=_interpreting())
+    shared = dict(SORTED=table.SORTED, PAIRS_POW2=table.pairs_pow2, UPCAST=upcast, F32_DOT=_interpreting())
     block_m, block_n, block_k, warps = blocks["gate_up"]
     _gate_up_kernel[(table.programs, triton.cdiv(inter, block_n))](
         x, expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight,
@@ -179,9 +195,70 @@ if triton is not None:
         value = (half.to(tl.float32) * 16384.0).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
         return value.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
 
+    # 8 codes -> bf16 in 22 instructions, 8 of them on the integer ALU (shl and mul.lo run as IMAD on the
+    # FMA pipe, as the bf16 multiplies do). $4: 4 code bytes (codes 2i, 2i + 1: byte i's low, high
+    # nibble); $5, $6: the bf16x2 scales of bytes (0, 1), (2, 3). Out: $0, $1 the even codes (0, 2),
+    # (4, 6) as bf16x2; $2, $3 the odd codes (1, 3), (5, 7).
+    # - prmt spreads bytes 0, 1 (then 2, 3) into the 16-bit lanes of t, each at lane bits 0-7.
+    # - Each code's magnitude bits (exponent x1 x0, mantissa m) go to bf16 bits 8-6 and its sign to bit
+    #   15, the lane mask 0x81C0: the low nibble from t << 6 (bits 2-0 to 8-6) and t << 12 (bit 3 to 15),
+    #   each zero in the bits the mask takes from the other, so one lop3, (a | b) & mask, merges them; the
+    #   high nibble (masked out of t) from t x 0x104 = (t << 2) + (t << 8), two shifts with disjoint bits.
+    #   That bf16 is the E2M1 value times 2 ** -126 for every code: exponent field x > 0 gives
+    #   2 ** (x - 127) (1 + m / 2) = 2 ** -126 [2 ** (x - 1) (1 + m / 2)], and x = 0 (code 1, 0.5) the
+    #   bf16 subnormal (m / 2) 2 ** -126; codes 0 and 8 give +0 and -0.
+    # - Times 2 ** 126 (bf16 0x7E80): exact, as the products are normal bf16s and bf16 mul keeps
+    #   subnormal inputs (it has no flush-to-zero form). Then times the scale 2 ** (e - 127), exact down
+    #   to 0.5 x 2 ** -127 = 2 ** -128 (an E2M1 value has at most 2 significant bits, which a bf16
+    #   subnormal holds), overflowing to inf where the reference's float32 product does (bf16 has
+    #   float32's exponent range).
+    _E2M1_TO_BF16_PTX = tl.constexpr("""{
+    .reg .b32 t0, t1, a, b, u, bias;
+    mov.b32 bias, 0x7E807E80;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    shl.b32 a, t0, 6;
+    shl.b32 b, t0, 12;
+    lop3.b32 u, a, b, 0x81C081C0, 0xA8;
+    mul.rn.bf16x2 u, u, bias;
+    mul.rn.bf16x2 $0, u, $5;
+    shl.b32 a, t1, 6;
+    shl.b32 b, t1, 12;
+    lop3.b32 u, a, b, 0x81C081C0, 0xA8;
+    mul.rn.bf16x2 u, u, bias;
+    mul.rn.bf16x2 $1, u, $6;
+    and.b32 t0, t0, 0x00F000F0;
+    mul.lo.u32 t0, t0, 0x104;
+    and.b32 u, t0, 0x81C081C0;
+    mul.rn.bf16x2 u, u, bias;
+    mul.rn.bf16x2 $2, u, $5;
+    and.b32 t1, t1, 0x00F000F0;
+    mul.lo.u32 t1, t1, 0x104;
+    and.b32 u, t1, 0x81C081C0;
+    mul.rn.bf16x2 u, u, bias;
+    mul.rn.bf16x2 $3, u, $6;
+    }""")
+
+    @triton.jit
+    def _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The same weights as (even columns, odd columns), two [BLOCK_N, BLOCK_K / 2] tiles, from the PTX
+        above (sm_90: mul.bf16x2). Each output element depends on its own code byte and scale only, so
+        any 4 elements Triton packs into a call (pack=4) come out right, and each output register holds
+        two neighbours of one tile, as the tensor cores read them: joined into columns 2j, 2j + 1 they
+        would need a byte permute per two values, so the caller multiplies each tile by the matching
+        activation columns instead. Scales: E8M0 e -> the bf16 bits of 2 ** (e - 127): e << 7, or for
+        e = 0 the subnormal 2 ** -127, 0x0040, the larger of the two (e = 255: inf, as the reference's)."""
+        exponent = scales.to(tl.int32)
+        scale = tl.maximum(exponent << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes.reshape(BLOCK_N, BLOCK_K // 32, 16), scale[:, :, None]],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+        return even.reshape(BLOCK_N, BLOCK_K // 2), odd.reshape(BLOCK_N, BLOCK_K // 2)
+
     @triton.jit
     def _accumulate(acc, a, codes_ptr, scales_ptr, rows, in_rows, start, n_cols,
-                    SCALED: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    UPCAST: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """acc + a [BLOCK_M, BLOCK_K] @ W[rows, start:start + BLOCK_K].T for MXFP4 rows of `n_cols`
         columns (`rows` counted from the stacked experts' first row; columns past n_cols read as 0)."""
         half = start // 2 + tl.arange(0, BLOCK_K // 2)
@@ -190,8 +267,12 @@ if triton is not None:
                         mask=in_rows[:, None] & (half < n_cols // 2)[None, :], other=0)
         scales = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + group[None, :],
                          mask=in_rows[:, None] & (group < n_cols // 32)[None, :], other=127)
-        if SCALED:
+        if UPCAST == "dot_scaled":
             return tl.dot_scaled(a, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
+        if UPCAST == "ptx":  # the sum over K in two halves: even columns, then odd ones
+            even, odd = _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N, BLOCK_K)
+            a_even, a_odd = tl.split(a.reshape(a.shape[0], BLOCK_K // 2, 2))
+            return tl.dot(a_odd, tl.trans(odd), tl.dot(a_even, tl.trans(even), acc))
         w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K)
         if F32_DOT:  # Triton's interpreter multiplies bf16 tiles wrongly; float32 holds these values exactly
             return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
@@ -229,7 +310,7 @@ if triton is not None:
     def _gate_up_kernel(
         x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
         codes_ptr, scales_ptr, hidden_ptr, pairs, k, dim, inter, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, SCALED: tl.constexpr, F32_DOT: tl.constexpr,
+        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
@@ -246,9 +327,9 @@ if triton is not None:
             a = tl.load(x_ptr + token[:, None] * dim + cols[None, :], mask=valid[:, None] & (cols < dim)[None, :],
                         other=0.0)
             gate = _accumulate(gate, a, codes_ptr, scales_ptr, base + rows, in_rows, start, dim,
-                               SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
             up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + rows, in_rows, start, dim,
-                             SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+                             UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
         gate = tl.minimum(gate, limit)
         hidden = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
         if WEIGHT_BEFORE_DOWN:
@@ -260,7 +341,7 @@ if triton is not None:
     def _down_kernel(
         hidden_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
         codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, SCALED: tl.constexpr, F32_DOT: tl.constexpr,
+        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
@@ -275,7 +356,7 @@ if triton is not None:
             a = tl.load(hidden_ptr + row_of[:, None] * inter + cols[None, :],
                         mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
             acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,
-                              SCALED, F32_DOT, BLOCK_N, BLOCK_K)
+                              UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
         if not WEIGHT_BEFORE_DOWN:
             acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])

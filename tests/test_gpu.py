@@ -18,6 +18,14 @@ from tests.conftest import random_tokens, relative_error
 from tests.test_v41_golden import GOLDEN
 from worker import ModelRunner
 
+try:  # the MXFP4 PTX decode's exactness test compiles a small kernel around it
+    import triton
+    import triton.language as tl
+
+    from kernels.moe_mxfp4 import _mxfp4_as_bf16_ptx
+except ImportError:  # no Triton: these tests are skipped with the rest
+    triton = None
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
@@ -454,6 +462,46 @@ def test_mxfp4_tensor_core_experts_compiled_equal_the_reference(tokens):
     for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
         check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks)
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mxfp4_ptx_tile_kernel(codes_ptr, scales_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr):
+        rows = tl.arange(0, N)[:, None]
+        codes = tl.load(codes_ptr + rows * (K // 2) + tl.arange(0, K // 2)[None, :])
+        scales = tl.load(scales_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :])
+        even, odd = _mxfp4_as_bf16_ptx(codes, scales, N, K)
+        tl.store(out_ptr + rows * K + tl.arange(0, K)[None, :], tl.join(even, odd).reshape(N, K))
+
+
+def test_mxfp4_ptx_upcast_compiled_is_bitwise_the_reference():
+    """kernels/moe_mxfp4.py's PTX decode of every code byte under E8M0 exponents from 0 (the subnormal
+    2 ** -127) to 254 (6 x 2 ** 127 overflows to inf, as the reference's float32 does): the reference's
+    bf16 bits, signed zeros included."""
+    from kernels.quant import dequantize_mxfp4
+
+    rows, cols = 16, 512
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # every byte in every row
+    exponents = torch.tensor([0, 1, 2, 3, 100, 126, 127, 128, 129, 200, 253, 254], dtype=torch.uint8)
+    scales = exponents[(torch.arange(rows)[:, None] + torch.arange(cols // 32)[None, :]) % len(exponents)]
+    want = dequantize_mxfp4(codes, scales).to(torch.bfloat16)  # on the CPU: exact, subnormals kept
+    got = torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda")
+    _mxfp4_ptx_tile_kernel[(1,)](codes.cuda(), scales.cuda(), got, N=rows, K=cols)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
+    """The PTX decode through both kernels, with the block shapes of the test above."""
+    from kernels.moe_mxfp4 import DECODE_BLOCKS, PREFILL_BLOCKS
+    from tests.test_triton_kernels import check_experts_mxfp4_tensor_cores
+
+    for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
+        check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks,
+                                         upcasts=("ptx",))
+    check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS,
+                                     upcasts=("ptx",))
 
 
 def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():

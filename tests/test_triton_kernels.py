@@ -125,9 +125,10 @@ def test_pairwise_experts_kernels_decode_mxfp4_weights():
 
 
 def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVICE, dim: int = 64, inter: int = 96,
-                                     blocks: dict | None = None, routed: tuple[int, int] = (0, 8)) -> None:
-    """kernels/moe_mxfp4.py's decode (scanning) and prefill (sorted) kernels, with dot_scaled's upcast and
-    the bit decode, against the reference on MXFP4 weights; this rank holds experts [2, 6) of 8 and the
+                                     blocks: dict | None = None, routed: tuple[int, int] = (0, 8),
+                                     upcasts: tuple[str, ...] = ("dot_scaled", "bits")) -> None:
+    """kernels/moe_mxfp4.py's decode (scanning) and prefill (sorted) kernels, with each of `upcasts`
+    (the GPU test adds "ptx", which the interpreter cannot run), against the reference on MXFP4 weights; this rank holds experts [2, 6) of 8 and the
     tokens choose among experts [routed[0], routed[1]). The tolerance is the reference's bf16 rounding
     of gate / up, which the kernels keep in float32."""
     from kernels.moe import MXFP4Experts, experts_reference
@@ -145,8 +146,8 @@ def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVIC
         args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
         want = experts_reference(*args)
         for run in (experts_by_expert, experts_sorted):
-            for scaled in (True, False):
-                got = run(*args, blocks=small, scaled=scaled)
+            for upcast in upcasts:
+                got = run(*args, blocks=small, upcast=upcast)
                 torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
