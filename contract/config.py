@@ -114,10 +114,14 @@ class MemorySection(Section):
     # memory of one GPU of the rig (GiB): `python -m server plan` needs it, as it runs without the GPU;
     # serving measures the device it runs on instead
     gpu_memory_gb: float | None = Field(default=None, gt=0)
-    # fp4: V4.1's compressed KV entries and index keys as packed FP4 pages (lossless: the model rounds
-    # them to FP4 itself; 3.5x fewer page bytes than bf16), auto: the model dtype. On V4, fp4 is an
-    # opt-in that rounds the cache (lossy).
-    kv_cache_dtype: Literal["auto", "fp4"] = "auto"
+    # The compressed KV entries and index keys (the paged cache; the sliding window stays in the model
+    # dtype). auto: the model dtype. fp4: packed FP4 pages (V4.1: lossless, the model rounds them to FP4
+    # itself; 3.5x fewer page bytes than bf16; V4: an opt-in that rounds them, lossy). fp8 (the CLI also
+    # takes vLLM's fp8_ds_mla / fp8_e4m3 for it): on V4, float8_e4m3fn with a float32 scale per 64
+    # channels, an entry's RoPE channels in bf16 (604 bytes a 512-wide entry; index keys e4m3
+    # throughout), lossy as vLLM's fp8; on V4.1 the fp4 packing, logged at startup (its entries are FP4
+    # values already: fp4 keeps them exactly and smaller, e4m3 per 64 would round them).
+    kv_cache_dtype: Literal["auto", "fp4", "fp8"] = "auto"
 
 
 class ParallelSection(Section):

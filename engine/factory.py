@@ -25,7 +25,7 @@ from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
 from models import SINGLE, ModelConfig, TensorParallel, load_model
-from models.cache import page_granularity
+from models.cache import page_granularity, stored_kv_cache_dtype
 from scheduler import Scheduler
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool, external_rank_main
@@ -154,6 +154,13 @@ def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> No
     if cache_dtype(config) == "fp4" and not model_config.is_v41:
         log.warning("memory.kv_cache_dtype fp4 on a V4 model rounds its compressed KV and index keys to FP4: "
                     "logits move (lossy; tests/test_packed_kv.py measures how far)")
+    if cache_dtype(config) == "fp8":
+        if stored_kv_cache_dtype(model_config, "fp8") == "fp4":
+            log.info("memory.kv_cache_dtype fp8 on V4.1: its compressed KV entries and index keys are FP4 values"
+                     " already, so they are stored as the fp4 packing (lossless, fewer bytes than fp8)")
+        else:
+            log.info("memory.kv_cache_dtype fp8: compressed KV entries and index keys as float8_e4m3fn with a"
+                     " scale per 64 channels, the entries' RoPE channels in bf16 (lossy, as vLLM's fp8)")
 
 
 def hot_tokens(config: "ServeConfig") -> int | None:

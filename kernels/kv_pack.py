@@ -1,4 +1,4 @@
-"""Packed FP4 storage of V4.1's compressed KV entries and index keys (torch reference).
+"""Packed FP4 and FP8 storage of the compressed KV entries and index keys (torch reference).
 
 V4.1 stores its compressed KV entries already rounded to FP4 (E2M1 values, one float8_e4m3fn scale per
 16) and its index keys to FP4 with a power-of-two scale per 32 (kernels/fake_quant.py). Keeping them
@@ -14,6 +14,15 @@ host tier must keep the bytes `pack_fp4_e4m3` made from the compressor's output.
 Layout (as MXFP4 experts, kernels/quant.py): two E2M1 codes per byte, the even element in the low
 nibble, codes 0-7 the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8-15 their negatives; scales
 as float8_e4m3fn bytes (`e4m3`) or as E8M0 exponents with bias 127 (`ue8m0`).
+
+FP8 (`memory.kv_cache_dtype: fp8`, vLLM's fp8 / fp8_ds_mla): the first dim - tail channels as
+float8_e4m3fn values with one float32 scale per 64 channels (scale = the block's amax / 448, values
+rounded to the nearest e4m3, ties to even; a last block narrower than 64 takes the amax of what it
+has), the last `tail` channels (the RoPE part of a compressed KV entry, as fp8_ds_mla keeps it) as
+bfloat16. Lossy: a value moves by at most max(2^-4 of itself, 2^-10 of its block's scale) (e4m3's
+3 mantissa bits; the second term in e4m3's subnormals, below 2^-6 * scale), a tail value by at most
+2^-8 of itself. Every part is stored as bytes (e4m3 codes, the scales' float32 bytes, the tail's
+bfloat16 bytes), so each gathers as uint8 rows like the FP4 codes.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kernels.fake_quant import fp4_e4m3_parts, fp4_ue8m0_parts
+from kernels.fake_quant import FP8_MAX, fp4_e4m3_parts, fp4_ue8m0_parts
 from kernels.quant import E2M1_VALUES
 
 try:
@@ -45,6 +55,10 @@ class PackedFP4:
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel()
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The byte tensors in storage order (models/packed_pages.py keeps one page tensor per part)."""
+        return (self.codes, self.scales)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -115,6 +129,70 @@ def unpack_fp4_reference(packed: PackedFP4, dtype: torch.dtype = torch.float32) 
         scales = torch.exp2(packed.scales.float() - 127)
     blocks = values.reshape(*values.shape[:-1], values.shape[-1] // packed.block, packed.block) * scales.unsqueeze(-1)
     return blocks.reshape(values.shape).to(dtype)
+
+
+FP8_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class PackedFP8:
+    codes: torch.Tensor  # uint8 [..., dim - tail]: float8_e4m3fn bytes
+    scales: torch.Tensor  # uint8 [..., 4 * ceil((dim - tail) / block)]: one float32 scale per block, as bytes
+    tail: torch.Tensor | None  # uint8 [..., 2 * tail]: the last channels' bfloat16 bytes (None: no tail)
+    block: int
+
+    def nbytes(self) -> int:
+        return sum(part.numel() for part in self.parts())
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales) if self.tail is None else (self.codes, self.scales, self.tail)
+
+
+def fp8_widths(dim: int, tail: int = 0, block: int = FP8_BLOCK) -> tuple[int, ...]:
+    """Bytes per entry of each part of a `dim`-wide entry: codes, scales (and the tail if any)."""
+    if not 0 <= tail < dim:
+        raise ValueError(f"an fp8 entry needs e4m3 channels: tail {tail} of a {dim}-wide entry")
+    body = dim - tail
+    widths = (body, 4 * -(-body // block))
+    return widths + ((2 * tail,) if tail else ())
+
+
+def _fp8_blocks(values: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 [..., body] -> [..., ceil(body / block), block], the last block padded with zeros."""
+    body = values.shape[-1]
+    n = -(-body // block)
+    return F.pad(values, (0, n * block - body)).reshape(*values.shape[:-1], n, block)
+
+
+def pack_fp8(x: torch.Tensor, tail: int = 0, block: int = FP8_BLOCK) -> PackedFP8:
+    """Entries [..., dim] -> e4m3 codes of the first dim - tail channels with a float32 scale (amax / 448)
+    per `block` of them, and the last `tail` channels as bfloat16. Fixed-shape torch ops only."""
+    fp8_widths(x.shape[-1], tail, block)
+    body = x.shape[-1] - tail
+    blocks = _fp8_blocks(x[..., :body].float(), block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_MAX * 2.0**-126)  # scales stay normal floats
+    scale = amax / FP8_MAX
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = q.flatten(-2)[..., :body].contiguous().view(torch.uint8)
+    scales = scale.squeeze(-1).contiguous().view(torch.uint8)
+    rope = x[..., body:].to(torch.bfloat16).contiguous().view(torch.uint8) if tail else None
+    return PackedFP8(codes, scales, rope, block)
+
+
+def unpack_fp8(packed: PackedFP8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values [..., dim] in `dtype`: codes times their block's scale in float32, then the tail."""
+    body = packed.codes.shape[-1]
+    values = packed.codes.view(torch.float8_e4m3fn).float()
+    scales = packed.scales.contiguous().view(torch.float32)
+    out = (_fp8_blocks(values, packed.block) * scales.unsqueeze(-1)).flatten(-2)[..., :body].to(dtype)
+    if packed.tail is None:
+        return out
+    return torch.cat([out, packed.tail.contiguous().view(torch.bfloat16).to(dtype)], dim=-1)
+
+
+def fake_quant_fp8(x: torch.Tensor, tail: int = 0, block: int = FP8_BLOCK) -> torch.Tensor:
+    """unpack_fp8(pack_fp8(x)) in x's dtype: what an fp8 cache reads back for x."""
+    return unpack_fp8(pack_fp8(x, tail, block), x.dtype)
 
 
 if triton is not None:

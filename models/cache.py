@@ -19,7 +19,9 @@ import torch
 
 from models.config import CSA, ModelConfig
 from models.host_tier import HostTierSpec, HotRing, TieredPages
-from models.packed_pages import PackedPages
+from models.packed_pages import Codec, FP4Codec, FP8Codec, PackedPages
+
+KV_CACHE_DTYPES = ("auto", "fp4", "fp8")
 
 
 @dataclass
@@ -58,7 +60,7 @@ class LayerCache:
     shared: SharedStore | None = None  # V4.1 kv sources only
 
 
-# A paged store is a [pages, per_page, dim] tensor, PackedPages (packed FP4) or TieredPages (packed
+# A paged store is a [pages, per_page, dim] tensor, PackedPages (packed FP4 or FP8) or TieredPages (packed
 # FP4 in the host tier with a GPU hot ring), the last two with the same calls: the helpers below
 # address entries of a sequence through its block table whichever it is.
 PagedStore = torch.Tensor | PackedPages | TieredPages
@@ -126,6 +128,32 @@ def paged_write_rows(
     _put(store, page, ids % per_page, values, where)
 
 
+def stored_kv_cache_dtype(config: ModelConfig, kv_cache_dtype: str) -> str:
+    """What the paged stores hold for `memory.kv_cache_dtype`: fp8 on V4.1 (with its simulated
+    quantization, as served) is the fp4 packing, since V4.1's compressed entries and index keys are
+    FP4 values already: fp4 keeps a 512-wide entry exactly in 288 bytes, where fp8 would take 604 and
+    round it (an E2M1 value times its e4m3 scale per 16 has up to 6 significant bits, e4m3 keeps 4, and
+    a scale per 64 spans four scales per 16; on random FP4-rounded entries 63% of the values moved, by
+    up to 5.7%). On V4, and on V4.1 without its rounding (a reference mode), fp8 is e4m3
+    (kernels/kv_pack.py)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "fp8" and config.is_v41 and config.simulate_quantization:
+        return "fp4"
+    return kv_cache_dtype
+
+
+def _codecs(config: ModelConfig, kind: str) -> tuple[Codec, Codec] | None:
+    """(compressed entries' codec, index keys' codec) for a stored kv_cache_dtype; None: plain tensors.
+    fp8 keeps an entry's RoPE channels (its last rope_head_dim) in bf16, as vLLM's fp8_ds_mla does; index
+    keys are e4m3 throughout (they only rank entries for the top-k)."""
+    if kind == "fp4":
+        return FP4Codec("e4m3"), FP4Codec("ue8m0")
+    if kind == "fp8":
+        return FP8Codec(tail=config.rope_head_dim), FP8Codec()
+    return None
+
+
 def page_granularity(config: ModelConfig) -> int:
     """block_tokens must be a multiple of this: every paged layer's rate divides a page evenly."""
     return math.lcm(1, *(r for r in config.compress_rates if r > 0))
@@ -163,8 +191,11 @@ class ModelCache:
         (models/packed_pages.py), lossless because the model rounds them to FP4 itself (refused for V4.1
         without its simulated quantization, a reference mode); for V4, whose cache is not rounded, an
         opt-in that rounds its compressed entries and index keys the same way (lossy: see
-        tests/test_packed_kv.py for the measured error). `host_tier`: V4.1's packed compressed entries
-        live in host memory with a GPU ring of each sequence's recent pages (models/host_tier.py)."""
+        tests/test_packed_kv.py for the measured error). "fp8": e4m3 with a float32 scale per 64
+        channels, an entry's RoPE channels in bf16 (V4; lossy, as vLLM's fp8); on V4.1 the fp4 packing
+        (`stored_kv_cache_dtype`). `host_tier`: V4.1's packed compressed entries live in host memory
+        with a GPU ring of each sequence's recent pages (models/host_tier.py)."""
+        kv_cache_dtype = stored_kv_cache_dtype(config, kv_cache_dtype)
         if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
             raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
         if host_tier is not None and (kv_cache_dtype != "fp4" or not config.is_v41):
@@ -182,23 +213,27 @@ class ModelCache:
         if host_tier is not None:
             hot_pages = -(-host_tier.hot_tokens // block_tokens)
             hot = HotRing(num_pages, host_tier.sequences * hot_pages, hot_pages, block_tokens, device)
+        codecs = _codecs(config, kv_cache_dtype)
         if config.is_v41:
-            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4", hot)
+            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, hot)
         else:
-            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, kv_cache_dtype == "fp4")
+            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs)
         context = None
         if config.engram is not None:
             context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
         return cls(layers, num_slots, max_len, num_pages, block_tokens, context, slot_pages, hot)
 
     @staticmethod
-    def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool) -> list[LayerCache]:
-        def pooler(rate: int, overlap: bool, head_dim: int, scale_format: str) -> PoolerCache:
+    def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device,
+                   codecs: tuple[Codec, Codec] | None) -> list[LayerCache]:
+        entry_codec, key_codec = codecs or (None, None)
+
+        def pooler(rate: int, overlap: bool, head_dim: int, codec: Codec | None) -> PoolerCache:
             width = (2 if overlap else 1) * head_dim
             ring = (2 if overlap else 1) * rate
             per_page = block_tokens // rate
-            if packed:
-                entries = PackedPages.allocate(num_pages, per_page, head_dim, scale_format, dtype, device)
+            if codec is not None:
+                entries = PackedPages.allocate(num_pages, per_page, head_dim, codec, dtype, device)
             else:
                 entries = torch.zeros(num_pages, per_page, head_dim, dtype=dtype, device=device)
             return PoolerCache(
@@ -211,21 +246,23 @@ class ModelCache:
         for layer, kind in enumerate(config.layer_types):
             rate = config.compress_rates[layer]
             window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
-            compressor = pooler(rate, kind == CSA, config.head_dim, "e4m3") if rate else None
-            indexer = pooler(rate, True, config.index_head_dim, "ue8m0") if kind == CSA else None
+            compressor = pooler(rate, kind == CSA, config.head_dim, entry_codec) if rate else None
+            indexer = pooler(rate, True, config.index_head_dim, key_codec) if kind == CSA else None
             layers.append(LayerCache(window=window, compressor=compressor, indexer=indexer))
         return layers
 
     @staticmethod
-    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, packed: bool,
+    def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs: tuple[Codec, Codec] | None,
                     hot: HotRing | None) -> list[LayerCache]:
         """Every layer keeps a window; only kv sources keep compressed state, which later layers read
         (their entries in the host tier when there is one; index keys stay on the device)."""
         shared = config.shared_compression
 
-        def paged(per_page: int, dim: int, scale_format: str) -> torch.Tensor | PackedPages:
-            if packed:
-                return PackedPages.allocate(num_pages, per_page, dim, scale_format, dtype, device)
+        entry_codec, key_codec = codecs or (None, None)
+
+        def paged(per_page: int, dim: int, codec: Codec | None) -> torch.Tensor | PackedPages:
+            if codec is not None:
+                return PackedPages.allocate(num_pages, per_page, dim, codec, dtype, device)
             return torch.zeros(num_pages, per_page, dim, dtype=dtype, device=device)
 
         layers = []
@@ -238,9 +275,9 @@ class ModelCache:
                 store = SharedStore(
                     raw_kv=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
                     raw_gate=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
-                    entries=(paged(per_page, config.head_dim, "e4m3") if hot is None else
+                    entries=(paged(per_page, config.head_dim, entry_codec) if hot is None else
                              TieredPages.allocate(hot, num_pages, per_page, config.head_dim, "e4m3", dtype, device)),
-                    index_keys=paged(per_page, config.index_head_dim, "ue8m0") if layer in shared.index_sources else None,
+                    index_keys=paged(per_page, config.index_head_dim, key_codec) if layer in shared.index_sources else None,
                 )
             layers.append(LayerCache(window=window, compressor=None, indexer=None, shared=store))
         return layers

@@ -28,6 +28,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "half": "float16"}
+KV_CACHE_DTYPES = {"auto": "auto", "fp4": "fp4", "fp8": "fp8", "fp8_ds_mla": "fp8", "fp8_e4m3": "fp8"}
 SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 # vLLM tuning of its own kernels and compiler: no counterpart here
 NO_EFFECT = ("compilation_config", "attention_config", "kernel_config", "moe_backend", "max_cudagraph_capture_size",
@@ -70,6 +71,13 @@ def context_length(text: str) -> int | str:
     if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r}: not a whole number of tokens")
     return int(value)
+
+
+def kv_cache_dtype_name(text: str) -> str:
+    """vLLM's fp8 spellings are one value here (memory.kv_cache_dtype fp8)."""
+    if text not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[text]
 
 
 def dtype_name(text: str) -> str:
@@ -182,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
           help="accepted: prompts are always prefilled in chunks of --max-num-batched-tokens")
     group("--gpu-memory-utilization", type=float, metavar="FRACTION", help=config_help(
         "gpu_memory_utilization", "share of the GPU's memory the server may use"))
-    group("--kv-cache-dtype", choices=("auto", "fp4"), help=config_help(
-        "kv_cache_dtype", "KV cache entries; fp4: V4.1's compressed entries packed (lossless), on V4 "
-        "rounded (lossy); vLLM's fp8 is not built"))
+    group("--kv-cache-dtype", type=kv_cache_dtype_name, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", help=config_help(
+        "kv_cache_dtype", "compressed KV entries and index keys; fp4: packed FP4 (V4.1: lossless; V4: rounded, "
+        "lossy); fp8 (= vLLM's fp8_ds_mla, fp8_e4m3): on V4 e4m3 with a scale per 64 channels and the RoPE "
+        "channels in bf16 (lossy), on V4.1 the fp4 packing (its entries are FP4 already: lossless and smaller)"))
     group("--kv-offload", choices=("none", "host_packed"), help=config_help(
         "kv_offload", "host_packed: V4.1's compressed KV in pinned host RAM"))
     group("--kv-hot-tokens", type=int, metavar="N", help=config_help(

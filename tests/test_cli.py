@@ -137,12 +137,44 @@ def test_positional_model_without_serve_logs_requests_renders_the_chat_template_
     (("--default-chat-template-kwargs", "{thinking: false}"), "--default-chat-template-kwargs"),
     (("--default-chat-template-kwargs", "[1]"), "--default-chat-template-kwargs"),
     (("--chat-template", "no/such/template.jinja"), "--chat-template"),
-    (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype"),
+    (("--kv-cache-dtype", "fp8_e5m2"), "--kv-cache-dtype"),
     (("--kv-transfer-config", '{"kv_connector": "NixlConnector"}'), "--kv-transfer-config"),
 ])
 def test_refused_before_anything_starts_with_exit_2_naming_the_flag(args, named):
     result = run_cli("serve", *args)
     assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+def test_vllms_fp8_kv_cache_names_are_one_config_value():
+    from contract.config import load_config
+
+    for name in ("fp8", "fp8_ds_mla", "fp8_e4m3"):
+        args = parse_args(["serve", "m", "--kv-cache-dtype", name])
+        config = load_config(None, [], {flag: getattr(args, flag) for flag in FLAG_KEYS})
+        assert args.kv_cache_dtype == config.memory.kv_cache_dtype == "fp8"
+    assert parse_args(["--kv-cache-dtype", "fp4"]).kv_cache_dtype == "fp4"
+
+
+def test_the_v4_flash_recipe_launch_line_serves_with_an_fp8_cache(checkpoints):
+    """vLLM's DeepSeek-V4-Flash recipe line (TP 1) on the tiny V4 checkpoint: fp8_ds_mla is the fp8
+    cache (e4m3 entries, RoPE channels bf16), which the startup log says; a chat completion through the
+    openai client answers, with the greedy tokens of the plain cache's server (the tiny model's first
+    tokens; the logits differ slightly, tests/test_packed_kv.py measures how far)."""
+    recipe = ("serve", str(checkpoints["mixed"]), "--enable-expert-parallel", "--trust-remote-code",
+              "--tokenizer-mode", "deepseek_v4", "--tensor-parallel-size", "1", "--max-model-len", "1k", "--log-level", "info")
+    replies = {}
+    for kind in ("fp8_ds_mla", "auto"):
+        with launched(*recipe, "--kv-cache-dtype", kind) as (base, lines):
+            llm = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            response = llm.chat.completions.create(model=llm.models.list().data[0].id, messages=HI, max_tokens=6,
+                                                   temperature=0, logprobs=True)
+            replies[kind] = [t.token for t in response.choices[0].logprobs.content]
+            message = response.choices[0].message
+            assert (message.content or getattr(message, "reasoning_content", None)) and len(replies[kind]) == 6
+            if kind != "auto":
+                assert any("kv_cache_dtype fp8: compressed KV entries and index keys as float8_e4m3fn" in line
+                           for line in lines), "".join(lines)
+    assert replies["fp8_ds_mla"][:3] == replies["auto"][:3]
 
 
 def test_speculative_config_empty_or_null_asks_for_nothing():
