@@ -30,6 +30,11 @@ from contract.logs import configure_logging
 from server.cli import no_effect, not_built, parse_args
 
 SHUTDOWN_GRACE_S = 5  # after the drain, how long uvicorn waits for connections still open
+# How long an idle keep-alive connection stays open. uvicorn's 5 s equals httpx's (and so the openai
+# client's) keep-alive expiry: a client reusing a connection just as the server closes it gets a
+# "connection reset" on a POST it cannot retry. Longer than the common clients' expiries (httpx 5 s,
+# aiohttp 15 s), the client always lets go first.
+KEEP_ALIVE_S = 65
 log = logging.getLogger("ds4serve.launch")
 
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,  # uvicorn logs through our root handler
         http=OpenAIErrorH11Protocol,  # malformed HTTP gets an OpenAI error body too
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     AnnouncedServer(server_config, app.state.lifecycle, app.state.engine_lost).run()
     return 1 if app.state.engine_lost.reason is not None else 0  # non-zero: the engine could not be kept up
