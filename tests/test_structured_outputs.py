@@ -106,7 +106,7 @@ def test_parse_streamed(client):
     assert isinstance(final.choices[0].message.parsed, Weather)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0])
 def test_json_object_is_valid_json(client, seed):
     completion = client.chat.completions.create(
         model="tiny", messages=ASK, response_format={"type": "json_object"}, max_completion_tokens=600,
@@ -156,8 +156,7 @@ def test_completions_take_every_constraint_field(client, stream):
         check(text)
 
 
-@pytest.mark.parametrize("thinking", [False, True])
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("thinking, stream", [(False, False), (True, True)])
 def test_a_named_tool_choice_parses_into_that_call(client, think, thinking, stream):
     kwargs = dict(model="tiny", messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], max_completion_tokens=400,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0,
