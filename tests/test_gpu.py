@@ -74,12 +74,12 @@ def test_engram_tiers_agree_on_cuda(checkpoints, tmp_path):
         assert torch.equal(forward(model, prompts), reference)  # warm caches
 
 
-def served_decode(model, cuda_graphs: bool) -> tuple[ModelRunner, dict, dict]:
+def served_decode(model, cuda_graphs: bool, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, dict, dict]:
     """Four greedy requests through the scheduler: 50 steps of warm-up, then 300 decode steps between
     two readings of torch.cuda.memory_stats. Returns (runner, before, after)."""
     limits = EngineLimits(4, 64, 600, model.config.vocab_size, (), block_tokens=16)
     runner = ModelRunner(model, 4, 600, device="cuda", num_pages=limits.total_pages, block_tokens=16, max_logit_rows=64,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
     scheduler = Scheduler(limits)
     for i in range(4):
         scheduler.add(NewRequest(f"r{i}", random_tokens(20, seed=i), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)))
@@ -218,7 +218,7 @@ def graph_test_models(kind: str, checkpoints) -> tuple:
     """(bf16 model, float32 reference with the same weights) of a tiny V4 or V4.1 (Engram on)."""
     import copy
 
-    if kind == "v4":
+    if kind in ("v4", "v4_fp8"):
         model = tiny_v4_bf16()
         return model, copy.deepcopy(model).float()
     if kind == "v4_released":  # MXFP4 experts and FP8 linears kept packed; the reference holds their values
@@ -231,18 +231,20 @@ def graph_test_models(kind: str, checkpoints) -> tuple:
     return load(torch.bfloat16), load(torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_fp8"])
 def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, kind):
     """Each replay is bitwise an eager run of the same decode batch on the same state (cache and
     Engram rows included). Against a float32 model fed the same tokens, the graph path (Triton
     kernels, float32 inside) stays as close as the eager bf16 forward does: both drift from float32
-    only by bf16 rounding, compounding through the caches."""
+    only by bf16 rounding, compounding through the caches. `v4_fp8`: V4 with fp8 KV pages (e4m3 and
+    a scale per 64, lossy) on both the graphed and the eager runner, against the plain float32 cache."""
     from bench.decode import pages_holding
     from worker.cuda_graphs import DecodeRow
 
     model, reference_model = graph_test_models(kind, checkpoints)
-    graphed = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True)
-    eager = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=False)
+    kv = "fp8" if kind == "v4_fp8" else "auto"
+    graphed = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True, kv_cache_dtype=kv)
+    eager = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=False, kv_cache_dtype=kv)
     exact = ModelRunner(reference_model, 4, 256, device="cuda")
     assert graphed.graphs is not None and eager.graphs is None
     positions = [5, 23, 40]
@@ -272,14 +274,15 @@ def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, k
     assert max(graph_errors) <= 1.5 * max(eager_errors) + 1e-3, (graph_errors, eager_errors)
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_fp8"])
 def test_graph_decode_makes_no_allocation(checkpoints, kind):
     """A served decode run on graphs: after warm-up no new device memory (num_device_alloc, reserved
     bytes), and a replay alone asks the caching allocator for nothing (V4.1: its Engram rows are
     fetched into the static buffers outside that last check)."""
     from worker.cuda_graphs import DecodeRow
 
-    runner, before, after = served_decode(graph_test_models(kind, checkpoints)[0], cuda_graphs=True)
+    kv = "fp8" if kind == "v4_fp8" else "auto"
+    runner, before, after = served_decode(graph_test_models(kind, checkpoints)[0], cuda_graphs=True, kv_cache_dtype=kv)
     assert runner.graphs.replays >= 300
     assert after["num_device_alloc"] == before["num_device_alloc"]
     assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
