@@ -6,7 +6,7 @@ folder may import it, and the HTTP process can talk to the engine without loadin
 """
 
 from contract.executor import ModelExecutor
-from contract.limits import EngineLimits, RequestRejected, validate_request
+from contract.limits import EngineLimits, PrefixTierLimits, RequestRejected, validate_request
 from contract.messages import (
     Abort,
     CheckGrammar,
@@ -20,12 +20,13 @@ from contract.messages import (
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 from contract.stats import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, StepTokens
-from contract.step import ChunkResult, ScheduledChunk, StateCopy, StepPlan, StepResult
+from contract.step import TIER_MOVES, ChunkResult, ScheduledChunk, StateCopy, StepPlan, StepResult, TierDone, TierMove
 from contract.structured import StructuredOutput
 
 __all__ = [
     "PREFETCH_WAIT_BUCKETS",
     "STEP_TOKEN_BUCKETS",
+    "TIER_MOVES",
     "Abort",
     "CheckGrammar",
     "ChunkResult",
@@ -39,6 +40,7 @@ __all__ = [
     "ModelExecutor",
     "ModelFacts",
     "NewRequest",
+    "PrefixTierLimits",
     "RequestOutput",
     "RequestRejected",
     "SamplingParams",
@@ -50,6 +52,8 @@ __all__ = [
     "StepResult",
     "StepTokens",
     "StructuredOutput",
+    "TierDone",
+    "TierMove",
     "TokenLogprob",
     "validate_request",
 ]

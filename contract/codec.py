@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from contract.limits import EngineLimits
+from contract.limits import EngineLimits, PrefixTierLimits
 from contract.messages import (
     Abort,
     CheckGrammar,
@@ -32,7 +32,7 @@ from contract.messages import (
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import SamplingParams, TokenLogprob
 from contract.stats import EngineStats, EngramStats, StepTokens
-from contract.step import ScheduledChunk, StateCopy, StepPlan
+from contract.step import ScheduledChunk, StateCopy, StepPlan, TierMove
 from contract.structured import StructuredOutput
 
 
@@ -83,7 +83,9 @@ def _output(body: dict[str, Any]) -> RequestOutput:
 
 
 def _ready(body: dict[str, Any]) -> EngineReady:
-    return EngineReady(limits=EngineLimits(**_fields(body["limits"])), device=body["device"], dtype=body["dtype"],
+    limits = _fields(body["limits"])
+    limits["prefix_tiers"] = PrefixTierLimits(**body["limits"]["prefix_tiers"])
+    return EngineReady(limits=EngineLimits(**limits), device=body["device"], dtype=body["dtype"],
                        model=ModelFacts(**_fields(body["model"])))
 
 
@@ -132,4 +134,6 @@ def decode_plan(frame: bytes) -> StepPlan:
         saves=tuple(StateCopy(**copy) for copy in body["saves"]),
         restores=tuple(StateCopy(**copy) for copy in body["restores"]),
         page_copies=_tuples(body["page_copies"]),
+        tier_moves=tuple(TierMove(**_fields(move)) for move in body["tier_moves"]),
+        tickets_out=body["tickets_out"],
     )

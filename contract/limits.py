@@ -13,6 +13,26 @@ from contract.sampling import InvalidSamplingParams
 
 
 @dataclass(frozen=True)
+class PrefixTierLimits:
+    """The prefix cache's tiers below the GPU (docs/prefix-tiers.md), in the units the scheduler hands
+    out: slots (one state point's fixed state each) and pages (one KV page of every paged layer each).
+    All zero: no host tier (no disk tier either: the disk tier is written through the host tier)."""
+
+    host_slots: int = 0
+    host_pages: int = 0
+    disk_slots: int = 0
+    disk_pages: int = 0
+
+    @property
+    def host(self) -> bool:
+        return self.host_slots > 0 and self.host_pages > 0
+
+    @property
+    def disk(self) -> bool:
+        return self.host and self.disk_slots > 0 and self.disk_pages > 0
+
+
+@dataclass(frozen=True)
 class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -23,6 +43,7 @@ class EngineLimits:
     block_tokens: int = 128
     # prefix-cache snapshot slots, model-cache slots max_num_seqs .. max_num_seqs + this - 1 (0: no cache)
     prefix_snapshots: int = 0
+    prefix_tiers: PrefixTierLimits = PrefixTierLimits()
 
     @property
     def total_pages(self) -> int:

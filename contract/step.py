@@ -45,21 +45,55 @@ class StateCopy:
     target: int
 
 
+TIER_MOVES = ("spill", "write", "fetch", "load")  # in the order a plan's moves run (docs/prefix-tiers.md)
+
+
+@dataclass(frozen=True)
+class TierMove:
+    """One prefix-cache state point copied between cache tiers (docs/prefix-tiers.md):
+    spill gpu -> host, write host -> disk (asynchronous), fetch disk -> host (asynchronous), load host -> gpu.
+    `slot` is (source, target) slot of the two tiers (a gpu slot is a model-cache slot: a snapshot slot, or
+    a request's slot), `pages` the (source, target) pages the target tier lacks (host and disk tiers share
+    full pages between points). Disk records are sealed: `seals` holds the slot record's seal, then each
+    of `pages`' (a write seals them so, a fetch checks them). An asynchronous move reports `ticket` in a
+    later StepResult.tier_done."""
+
+    kind: str  # one of TIER_MOVES
+    slot: tuple[int, int]
+    pages: tuple[tuple[int, int], ...] = ()
+    seals: tuple[int, ...] = ()
+    ticket: int = 0
+
+
+@dataclass(frozen=True)
+class TierDone:
+    """An asynchronous tier move finished: `error` None when every record was written, or read and verified."""
+
+    ticket: int
+    error: str | None = None
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """The step's chunks, and the prefix cache's copies the worker makes before the forward, in this
-    order: `saves` (a request's slot into a snapshot slot, for state points taken at the end of the
-    previous step or at a preemption), `restores` (a snapshot into a request's slot, for hits), then
+    order: `tier_moves` of kinds spill, write and fetch (in that order), `saves` (a request's slot into
+    a snapshot slot, for state points taken at the end of the previous step or at a preemption),
+    `restores` (a snapshot into a request's slot, for hits), the `tier_moves` of kind load, then
     `page_copies` ((source, target) pages: a hit's partial last page, which the request writes on)."""
 
     chunks: tuple[ScheduledChunk, ...]
     saves: tuple[StateCopy, ...] = ()
     restores: tuple[StateCopy, ...] = ()
     page_copies: tuple[tuple[int, int], ...] = ()
+    tier_moves: tuple[TierMove, ...] = ()
+    # asynchronous tier moves still out (their TierDone not seen yet): a plan with no other work then
+    # lets the worker wait briefly for completions instead of returning at once
+    tickets_out: int = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.chunks or self.saves or self.restores or self.page_copies)
+        return bool(self.chunks or self.saves or self.restores or self.page_copies or self.tier_moves
+                    or self.tickets_out)
 
     @property
     def num_tokens(self) -> int:
@@ -87,3 +121,4 @@ class ChunkResult:
 @dataclass(frozen=True)
 class StepResult:
     chunks: tuple[ChunkResult, ...]
+    tier_done: tuple[TierDone, ...] = ()  # asynchronous tier moves that finished since the last step
