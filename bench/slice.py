@@ -6,6 +6,7 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
     python -m bench.slice ttft [--prompt 1024 8192 32768] [--prefill-chunk 2048] [--repeats 2]
     python -m bench.slice transformers [--concurrency 1 8 32] [--prompt-len 512] [--steps 32]
     python -m bench.slice profile [--concurrency 1 32] [--steps 8] [--top 40] [--enforce-eager]
+    python -m bench.slice families [--concurrency 1 8 32] [--steps 32] [--repeats 20]
     common: [--config configs/models/DeepSeek-V4-Flash/config.json] [--layers 4] [--device cuda|cpu]
             [--dtype bfloat16] [--weights bf16|released] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
 
@@ -25,6 +26,10 @@ device copy bandwidth, read + written) and `slice.matmul` (bf16 GEMM ceiling), m
   row stops after --steps timed steps or --row-budget-s seconds (at least 3 steps), whichever is first.
 - ttft: one sequence, prefilled in --prefill-chunk chunks through ModelRunner (as the engine's chunked
   prefill does); TTFT, prefill tokens/s, useful FLOP/s and its ratio to the matmul ceiling.
+- families: per kernel family of a decode step at context 0 (attention projections, mHC, router,
+  shared expert, routed experts, head: bench/slice_families.py), its device time alone in a CUDA
+  graph, the weight bytes it reads, bytes/s and the ratio to the copy bandwidth of this run, beside the
+  measured step (CUDA graphs, as decode's default mode) and what the families leave of it (`rest`).
 - transformers: HF `DeepseekV4ForCausalLM.generate` over the SAME tensors (bench/slice_hf.py), and our
   runner on the same prompts, per batch size; HF's decode tokens/s = (B x (steps - 1)) / (t(steps) -
   t(1 token)). Needs transformers >= 5.24 (the GPU image has 5.17: carry the wheel in .whl/).
@@ -72,6 +77,7 @@ from typing import Any
 import torch
 
 from bench.decode import chunk
+from bench.slice_families import capture_families, family_rows
 from bench.slice_roofline import (
     active_params_per_token,
     copy_bandwidth,
@@ -279,6 +285,28 @@ def cmd_profile(args: argparse.Namespace, model: torch.nn.Module, fields: dict[s
               "device_us_per_step": sum(spent.values()) / steps}, fields)
 
 
+def cmd_families(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
+    """Per concurrency: the decode step on graphs (p50), then each kernel family replayed alone."""
+    copy_bps, _ = ceilings(args, model, fields)
+    most = max(args.concurrency)
+    runner = ModelRunner(model, most, 4096, device=args.device, cuda_graphs=args.device == "cuda")
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    for concurrency in args.concurrency:
+        positions = [0] * most
+        measured = decode_steps(runner, positions, concurrency, args.steps, args.row_budget_s, generator)
+        tokens = random_tokens(generator, vocab, concurrency)
+        plan = StepPlan(tuple(chunk(runner, s, [tokens[s]], positions[s]) for s in range(concurrency)))
+        graphs, runner.graphs = runner.graphs, None  # an eager step, so the hooks see every module call
+        with routed_experts(model) as touched:
+            families = capture_families(model, lambda: runner.execute(plan))
+        runner.graphs = graphs
+        row = {"bench": "slice.family", "concurrency": concurrency, "step_us_p50": 1000 * measured["step_ms_p50"]}
+        for family in family_rows(model, families, touched, measured["step_ms_p50"], copy_bps, args.device, args.repeats):
+            emit({**row, **family}, fields)
+        del families
+
+
 def prefill_once(runner: ModelRunner, tokens: list[int], chunk_tokens: int) -> float:
     """Seconds from the first chunk's launch to the first sampled token, chunk by chunk from position 0."""
     synchronize(runner.device)
@@ -339,7 +367,7 @@ def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda = torch.cuda.is_available()
-    parser.add_argument("command", choices=["decode", "ttft", "transformers", "profile"])
+    parser.add_argument("command", choices=["decode", "ttft", "transformers", "profile", "families"])
     parser.add_argument("--config", default=str(FLASH_CONFIG), help="a deepseek_v4 config.json")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
@@ -379,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd_ttft(args, model, fields)
     elif args.command == "profile":
         cmd_profile(args, model, fields)
+    elif args.command == "families":
+        cmd_families(args, model, fields)
     else:
         cmd_transformers(args, model, raw, fields)
 

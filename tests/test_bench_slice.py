@@ -51,6 +51,25 @@ def test_decode(capsys, config):
                  "bytes_per_step", "roofline_tokens_per_s", "ratio_to_roofline")
 
 
+def test_families(capsys, config):
+    """Every family of the slice is found and timed; its bytes are the weights it holds (the routed
+    experts': only those the step touched, at most all of them)."""
+    from bench.slice import build_slice, parse_args
+
+    rows = run(capsys, config, "families", "--concurrency", "2", "--steps", "2", "--repeats", "2")["slice.family"]
+    names = [r["family"] for r in rows]
+    assert names == ["attention_projections", "hyper_connections", "router", "shared_expert", "routed_experts", "head",
+                     "rest"]
+    for row in rows[:-1]:
+        positive(row, "modules", "us_per_step", "weight_bytes", "bytes_per_s", "ratio_to_copy", "share_of_step")
+    _, model = build_slice(parse_args(["families", "--config", config, "--layers", "3", *COMMON]))
+    by_name = {r["family"]: r for r in rows}
+    assert by_name["head"]["weight_bytes"] == model.lm_head.weight.numel() * 4
+    experts = sum(t.numel() * 4 for layer in model.model.layers for t in layer.mlp.experts.parameters())
+    assert 0 < by_name["routed_experts"]["weight_bytes"] <= experts
+    assert by_name["attention_projections"]["modules"] >= 3 * 4  # q_a, q_b, kv, o_a, o_b ... per layer
+
+
 def test_ttft(capsys, config):
     rows = run(capsys, config, "ttft", "--prompt", "24", "70", "--prefill-chunk", "32", "--repeats", "1")["slice.ttft"]
     assert [r["prompt"] for r in rows] == [24, 70]
