@@ -6,11 +6,20 @@ Per token, the site's linear map gives (2 + n) * n logits: n for `pre` (sigmoid 
 token, but in torch it is ~130 kernel launches per site (each Sinkhorn round is four), which made the
 mHC sites most of a decode step's kernels. `hc_mixes` runs it as one Triton program per token on the
 GPU; `hc_mixes_reference` is the plain torch definition (the CPU path and the test oracle).
+
+A whole site is fused too, since at decode the site's torch ops around the mixes (the float32 cast of
+the streams, the RMS norm, the (2 + n) * n x n * D projection, the collapse's product, sum and cast,
+and the merge's casts, product, n x n matmul and sum) were ~12 more launches per site, ~100 per
+4-layer step: `hc_site` is two kernels (a split-K pass of the projection and the sum of squares,
+then one program per token for the norm, the mixes and the collapse) and `hc_merge` one (the new
+streams from the sublayer output). `hc_site_reference` / `hc_merge_reference` are the torch
+definitions (the model's own ops: models/hyper.py calls these).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -80,3 +89,182 @@ if triton is not None:
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + token * N * N + square, comb)
+
+
+SITE_SPLITS = 32  # programs per token sharing the site projection's n * D reduction
+SITE_BLOCK = 512  # projection columns a program reads per iteration
+MERGE_BLOCK = 1024  # hidden channels per merge program
+
+
+def hc_site_reference(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n], collapsed [T, D] in the streams'
+    dtype). The mixes come from the RMS-normed (unweighted) flattened streams in float32; the streams
+    collapse with `collapse_pre` when given (V4.1: the previous site's pre), else with this site's pre."""
+    flat = streams.flatten(1).float()
+    normed = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre, post, comb = hc_mixes(F.linear(normed, fn.float()), base, scale, n, iters, hc_eps)
+    return pre, post, comb, hc_collapse(pre if collapse_pre is None else collapse_pre, streams)
+
+
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[k] * streams[k] in float32, cast back to the stream dtype: the sublayer input."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hc_merge_reference(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """new[k] = post[k] * out + sum_j comb[j, k] * streams[j], in the streams' dtype as transformers
+    computes it (the product and the n x n matmul each rounded to it, then their sum)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def _fusable(streams: torch.Tensor, n: int) -> bool:
+    return triton is not None and streams.is_cuda and not n & (n - 1) and streams.shape[0] > 0
+
+
+def hc_site(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_site_reference`, as two Triton kernels on CUDA (n a power of two)."""
+    if not _fusable(streams, n):
+        return hc_site_reference(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre)
+    return hc_site_triton(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre)
+
+
+def hc_merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`hc_merge_reference`, as one Triton kernel on CUDA (n a power of two)."""
+    if not _fusable(streams, streams.shape[1]):
+        return hc_merge_reference(streams, post, comb, out)
+    return hc_merge_triton(streams, post, comb, out)
+
+
+def hc_site_triton(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, _, dim = streams.shape
+    streams = streams.contiguous()
+    width = n * dim
+    device = streams.device
+    partial = torch.empty(tokens, SITE_SPLITS, (2 + n) * n + 1, dtype=torch.float32, device=device)
+    per_split = -(-width // (SITE_SPLITS * SITE_BLOCK)) * SITE_BLOCK
+    _hc_project_kernel[(tokens, SITE_SPLITS)](
+        streams, fn.float().contiguous(), partial, width, per_split, N=n, BLOCK=SITE_BLOCK, num_warps=8
+    )
+    pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
+    post, comb = torch.empty_like(pre), torch.empty(tokens, n, n, dtype=torch.float32, device=device)
+    collapsed = torch.empty(tokens, dim, dtype=streams.dtype, device=device)
+    own = collapse_pre is None
+    given = pre if own else collapse_pre.float().contiguous()
+    _hc_finish_kernel[(tokens,)](
+        partial, base.float().contiguous(), scale.float().contiguous(), streams, given, pre, post, comb, collapsed,
+        width, dim, norm_eps, hc_eps, iters, N=n, SPLITS=SITE_SPLITS, OWN_PRE=own, BLOCK=MERGE_BLOCK, num_warps=4,
+    )
+    return pre, post, comb, collapsed
+
+
+def hc_merge_triton(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    tokens, n, dim = streams.shape
+    streams, out = streams.contiguous(), out.contiguous()
+    merged = torch.empty_like(streams)
+    _hc_merge_kernel[(tokens, triton.cdiv(dim, MERGE_BLOCK))](
+        streams, post.float().contiguous(), comb.float().contiguous(), out, merged, dim, N=n, BLOCK=MERGE_BLOCK,
+        num_warps=4,
+    )
+    return merged
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hc_project_kernel(streams_ptr, fn_ptr, partial_ptr, width, per_split, N: tl.constexpr, BLOCK: tl.constexpr):
+        """partial[t, s] = (fn @ x[slice s], sum of x[slice s]^2) for x = the token's flattened streams:
+        rows [0, N) of fn are pre's, [N, 2N) post's, [2N, 2N + N * N) comb's."""
+        token, split = tl.program_id(0), tl.program_id(1)
+        row = streams_ptr + token.to(tl.int64) * width
+        i = tl.arange(0, N)
+        j = tl.arange(0, N * N)
+        squares = tl.zeros([BLOCK], tl.float32)
+        acc_pre = tl.zeros([N, BLOCK], tl.float32)
+        acc_post = tl.zeros([N, BLOCK], tl.float32)
+        acc_comb = tl.zeros([N * N, BLOCK], tl.float32)
+        begin = split * per_split
+        for offset in range(0, per_split, BLOCK):
+            k = begin + offset + tl.arange(0, BLOCK)
+            inside = k < width
+            x = tl.load(row + k, mask=inside, other=0.0).to(tl.float32)
+            squares += x * x
+            acc_pre += tl.load(fn_ptr + i[:, None] * width + k[None, :], mask=inside[None, :], other=0.0) * x[None, :]
+            acc_post += tl.load(fn_ptr + (N + i[:, None]) * width + k[None, :], mask=inside[None, :], other=0.0) * x[None, :]
+            acc_comb += tl.load(fn_ptr + (2 * N + j[:, None]) * width + k[None, :], mask=inside[None, :], other=0.0) * x[None, :]
+        out = partial_ptr + (token * tl.num_programs(1) + split) * ((2 + N) * N + 1)
+        tl.store(out + i, tl.sum(acc_pre, axis=1))
+        tl.store(out + N + i, tl.sum(acc_post, axis=1))
+        tl.store(out + 2 * N + j, tl.sum(acc_comb, axis=1))
+        tl.store(out + (2 + N) * N, tl.sum(squares, axis=0))
+
+    @triton.jit
+    def _hc_finish_kernel(partial_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
+                          collapsed_ptr, width, dim, norm_eps, hc_eps, iters, N: tl.constexpr, SPLITS: tl.constexpr,
+                          OWN_PRE: tl.constexpr, BLOCK: tl.constexpr):
+        """One token: the splits summed, the norm's scale applied, the mixes (as _hc_mixes_kernel), then
+        the collapse with this site's pre (OWN_PRE) or the given one."""
+        token = tl.program_id(0)
+        stride = (2 + N) * N + 1
+        rows = partial_ptr + token * SPLITS * stride + tl.arange(0, SPLITS)[:, None] * stride
+        i = tl.arange(0, N)
+        square = i[:, None] * N + i[None, :]  # comb[j, k] at logit 2N + j * N + k
+        squares = tl.sum(tl.load(rows + (2 + N) * N), axis=0)
+        inv = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / width + norm_eps)
+        pre_l = tl.sum(tl.load(rows + i[None, :]), axis=0) * inv
+        post_l = tl.sum(tl.load(rows + N + i[None, :]), axis=0) * inv
+        flat = tl.arange(0, N * N)
+        comb_l = tl.reshape(tl.sum(tl.load(rows + 2 * N + flat[None, :]), axis=0) * inv, (N, N))
+        pre = tl.sigmoid(pre_l * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+        post = 2 * tl.sigmoid(post_l * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i))
+        tl.store(pre_ptr + token * N + i, pre)
+        tl.store(post_ptr + token * N + i, post)
+        comb = comb_l * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + square)
+        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+        comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + token * N * N + square, comb)
+        if OWN_PRE:
+            weights = pre
+        else:
+            weights = tl.load(given_ptr + token * N + i)
+        base_row = streams_ptr + token.to(tl.int64) * width
+        for start in range(0, dim, BLOCK):
+            d = start + tl.arange(0, BLOCK)
+            inside = d < dim
+            x = tl.load(base_row + i[:, None] * dim + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
+            total = tl.sum(weights[:, None] * x, axis=0)
+            tl.store(collapsed_ptr + token.to(tl.int64) * dim + d, total.to(collapsed_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _hc_merge_kernel(streams_ptr, post_ptr, comb_ptr, out_ptr, merged_ptr, dim, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """new[k, d] = round(round(post[k]) * out[d]) + round(sum_j round(comb[j, k]) * streams[j, d]),
+        each round to the streams' dtype, as hc_merge_reference's ops round."""
+        token, block = tl.program_id(0), tl.program_id(1)
+        dtype = merged_ptr.dtype.element_ty
+        i = tl.arange(0, N)
+        d = block * BLOCK + tl.arange(0, BLOCK)
+        inside = d < dim
+        row = token.to(tl.int64) * N * dim
+        x = tl.load(streams_ptr + row + i[:, None] * dim + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
+        out = tl.load(out_ptr + token.to(tl.int64) * dim + d, mask=inside, other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + token * N + i).to(dtype).to(tl.float32)
+        spread = (post[:, None] * out[None, :]).to(dtype).to(tl.float32)
+        for k in tl.static_range(N):
+            weights = tl.load(comb_ptr + token * N * N + i * N + k).to(dtype).to(tl.float32)  # comb[:, k]
+            mixed = tl.sum(weights[:, None] * x, axis=0).to(dtype).to(tl.float32)
+            spread_k = tl.sum(tl.where(i[:, None] == k, spread, 0.0), axis=0)
+            tl.store(merged_ptr + row + k * dim + d, (spread_k + mixed).to(dtype), mask=inside)

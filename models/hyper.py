@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hyper import hc_mixes
+from kernels.hyper import hc_collapse as collapse  # noqa: F401  (the models' import point)
+from kernels.hyper import hc_merge as merge_streams  # noqa: F401
+from kernels.hyper import hc_site
 from models.config import ModelConfig
 from models.layers import unweighted_rms_norm
 
@@ -29,24 +31,16 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """V4: streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed [T, D]), collapsed with this
         site's own `pre`."""
-        pre, post, comb = self.mixes(streams)
-        return post, comb, collapse(pre, streams)
+        _, post, comb, collapsed = self.site(streams)
+        return post, comb, collapsed
 
-    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]) in float32. V4.1 collapses with
-        the previous site's `pre`, so it needs the mixes without the collapse."""
-        logits = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
-        return hc_mixes(logits, self.base, self.scale, self.n, self.iters, self.hc_eps)
+    def site(self, streams: torch.Tensor, collapse_pre: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n] in float32, collapsed [T, D]).
+        V4.1 collapses with the previous site's `pre` (`collapse_pre`), V4 with this site's own."""
+        return hc_site(streams, self.fn, self.base, self.scale, self.n, self.iters, self.hc_eps, self.norm_eps,
+                       collapse_pre)
 
-
-def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_k pre[k] * streams[k] in float32, cast back to the stream dtype: the sublayer input."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-def merge_streams(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 class HyperHead(nn.Module):

@@ -56,11 +56,11 @@ class DecoderLayerV41(nn.Module):
         """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre)."""
         if self.engram is not None:
             streams = self.engram(streams, engram_rows)
-        attn_pre, post, comb = self.attn_hc.mixes(streams)
-        out = self.self_attn(self.input_layernorm(collapse(pre, streams)), batch, cache, selections, trace)
+        attn_pre, post, comb, collapsed = self.attn_hc.site(streams, collapse_pre=pre)
+        out = self.self_attn(self.input_layernorm(collapsed), batch, cache, selections, trace)
         streams = merge_streams(streams, post, comb, out)
-        ffn_pre, post, comb = self.ffn_hc.mixes(streams)
-        out = self.mlp(self.post_attention_layernorm(collapse(attn_pre, streams)), batch.token_ids)
+        ffn_pre, post, comb, collapsed = self.ffn_hc.site(streams, collapse_pre=attn_pre)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
         return merge_streams(streams, post, comb, out), ffn_pre
 
 

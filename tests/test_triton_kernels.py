@@ -40,6 +40,38 @@ def test_hc_mixes_kernel_equals_the_reference(n):
     check_hc_mixes(n, tokens=6, seed=n)
 
 
+def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
+    """The fused mHC site (projection, norm, mixes, collapse with its own pre or a given one) and merge
+    against the torch ops. Float32 sums run in another order (the split-K projection), so the mixes
+    agree within 1e-5 and a bf16 output within one rounding step of its magnitude."""
+    from kernels.hyper import hc_merge_reference, hc_merge_triton, hc_site_reference, hc_site_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    streams = (torch.randn(tokens, n, dim, generator=generator, device=device) * 2).to(dtype)
+    fn = torch.randn((2 + n) * n, n * dim, generator=generator, device=device) / (n * dim) ** 0.5
+    base = torch.randn((2 + n) * n, generator=generator, device=device)
+    scale = torch.rand(3, generator=generator, device=device) + 0.5
+    given = torch.rand(tokens, n, generator=generator, device=device)
+    close = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for collapse_pre in (None, given):
+        got = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
+        want = hc_site_reference(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
+        for a, b in zip(got[:3], want[:3], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert got[3].dtype == dtype
+        torch.testing.assert_close(got[3], want[3], **close)
+    pre, post, comb, _ = want
+    out = (torch.randn(tokens, dim, generator=generator, device=device) * 3).to(dtype)
+    merged, expected = hc_merge_triton(streams, post, comb, out), hc_merge_reference(streams, post, comb, out)
+    assert merged.dtype == dtype and merged.shape == streams.shape
+    torch.testing.assert_close(merged, expected, **close)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_hc_site_and_merge_kernels_equal_the_reference(n):
+    check_hc_site_and_merge(n, tokens=3, dim=1100, dtype=torch.float32, seed=n)  # a partial last block
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_equals_the_reference(dtype, weighted):
