@@ -91,8 +91,8 @@ if triton is not None:
         tl.store(comb_ptr + token * N * N + square, comb)
 
 
-SITE_SPLITS = 32  # programs per token sharing the site projection's n * D reduction
-SITE_BLOCK = 512  # projection columns a program reads per iteration
+SITE_SPLITS = 128  # programs per token sharing the site projection's n * D reduction (enough SMs at batch 1)
+SITE_BLOCK = 128  # projection columns a program reads per iteration
 MERGE_BLOCK = 1024  # hidden channels per merge program
 
 

@@ -43,7 +43,8 @@ def test_hc_mixes_kernel_equals_the_reference(n):
 def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
     """The fused mHC site (projection, norm, mixes, collapse with its own pre or a given one) and merge
     against the torch ops. Float32 sums run in another order (the split-K projection), so the mixes
-    agree within 1e-5 and a bf16 output within one rounding step of its magnitude."""
+    agree within 1e-5 (relative) and the collapse, which sums with those mixes, within 1e-5 (absolute,
+    values of magnitude ~1-10) in float32 and one rounding step of its magnitude in bf16."""
     from kernels.hyper import hc_merge_reference, hc_merge_triton, hc_site_reference, hc_site_triton
 
     generator = torch.Generator(device).manual_seed(seed)
@@ -52,7 +53,7 @@ def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, s
     base = torch.randn((2 + n) * n, generator=generator, device=device)
     scale = torch.rand(3, generator=generator, device=device) + 0.5
     given = torch.rand(tokens, n, generator=generator, device=device)
-    close = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for collapse_pre in (None, given):
         got = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
         want = hc_site_reference(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
