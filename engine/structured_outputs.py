@@ -231,4 +231,7 @@ def _failed_for_another_reason(future: Future[Any]) -> bool:
     not start) is tried again; a constraint that does not compile stays cached as such."""
     if not future.done():
         return False
-    return future.cancelled() or (future.exception() is not None and not isinstance(future.exception(), GrammarError))
+    if future.cancelled():
+        return True
+    error = future.exception()
+    return error is not None and not isinstance(error, GrammarError)

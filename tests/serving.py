@@ -88,3 +88,29 @@ def running_server(
     """Yields the base URL of a healthy server (see server_process)."""
     with server_process(model_dir, served_name, *extra_args, env=env) as server:
         yield server.base
+
+
+DSML_CALL = [  # one added token each in dsml_checkpoint's tokenizer, so the call is a sequence of distinct ids
+    "Let me check.", "<｜DSML｜ calls>\n", '<｜DSML｜ invoke name="get_weather">\n',
+    '<｜DSML｜ parameter name="city" string="true">', "Oslo", "</｜DSML｜ parameter>\n",
+    "</｜DSML｜ invoke>\n", "</｜DSML｜ calls>",
+]
+
+
+@contextmanager
+def running_dsml_server(root: Path) -> Iterator[tuple[str, object]]:
+    """A server on a tiny V4.1 whose tokenizer holds DSML_CALL as tokens and whose output head is
+    scaled to 1%, so every logit lies within ~0.1 of the others and logit_bias plus penalties decide
+    the order; yields (base URL, its TextTokenizer)."""
+    from safetensors.torch import load_file, save_file
+
+    from models.config import ModelConfig
+    from models.tiny import build_tiny_checkpoint
+    from server.tokenizer import TextTokenizer
+
+    model_dir = build_tiny_checkpoint(root, extra_tokens=DSML_CALL)
+    weights = load_file(model_dir / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 0.01
+    save_file(weights, str(model_dir / "model.safetensors"))
+    with running_server(model_dir, "tiny", "--max-model-len", "1024") as base:
+        yield base, TextTokenizer(model_dir, ModelConfig.from_file(model_dir / "config.json").bos_token_id)

@@ -8,12 +8,10 @@ import json
 import httpx
 import openai
 import pytest
-from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
-from models.tiny import build_tiny_checkpoint
 from server.tokenizer import TextTokenizer
-from tests.serving import running_server
+from tests.serving import DSML_CALL, running_dsml_server, running_server
 
 HI = [{"role": "user", "content": "Hello, how are you?"}]
 TOOLS = [{"type": "function", "function": {
@@ -157,23 +155,10 @@ def test_forced_reasoning_through_the_engine(server, client, tokenizer):
     assert "".join(d.content or "" for d in deltas) == tokenizer.decode(target[3:])
 
 
-DSML_CALL = [  # one added token each in the checkpoint below, so the call is a sequence of distinct ids
-    "Let me check.", "<｜DSML｜ calls>\n", '<｜DSML｜ invoke name="get_weather">\n',
-    '<｜DSML｜ parameter name="city" string="true">', "Oslo", "</｜DSML｜ parameter>\n",
-    "</｜DSML｜ invoke>\n", "</｜DSML｜ calls>",
-]
-
-
 @pytest.fixture(scope="module")
 def dsml_server(tmp_path_factory):
-    """A tiny V4.1 whose tokenizer holds DSML_CALL as tokens and whose output head is scaled to 1%,
-    so every logit lies within ~0.1 of the others and logit_bias plus penalties decide the order."""
-    model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("dsml"), extra_tokens=DSML_CALL)
-    weights = load_file(model_dir / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 0.01
-    save_file(weights, str(model_dir / "model.safetensors"))
-    with running_server(model_dir, "tiny", "--max-model-len", "1024") as base:
-        yield base, TextTokenizer(model_dir, ModelConfig.from_file(model_dir / "config.json").bos_token_id)
+    with running_dsml_server(tmp_path_factory.mktemp("dsml")) as served:
+        yield served
 
 
 def test_dsml_tool_call_and_reasoning_forced_through_the_engine(dsml_server):
