@@ -71,10 +71,10 @@ def workload(seed: int) -> dict[str, tuple[list[int], SamplingParams]]:
 def test_crowded_chunked_preempted_outputs_are_bitwise_the_solo_outputs(checkpoints, name):
     model = load_model(checkpoints[name])
     requests = workload(seed=40)
-    solo = {}
-    for rid, (prompt, params) in requests.items():
-        collector, _ = serve(model, [NewRequest(rid, prompt, params)], max_num_seqs=1, budget=512)
-        solo[rid] = (collector.tokens(rid), collector.logprobs(rid))
+    # one slot: each request runs alone, one after another (no prefix cache: nothing carries over)
+    alone, _ = serve(model, [NewRequest(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=1,
+                     budget=512)
+    solo = {rid: (alone.tokens(rid), alone.logprobs(rid)) for rid in requests}
     # 16 at once: 6 slots, 40-token steps (chunked prefill), pages for ~2.5 long sequences (preemption)
     crowded, scheduler = serve(
         model, [NewRequest(rid, p, params) for rid, (p, params) in requests.items()], max_num_seqs=6, budget=40, num_pages=18
