@@ -174,6 +174,16 @@ class OffloadSection(Section):
     kv_hot_tokens: int = Field(default=32768, gt=0)
 
 
+class PrefixCacheSection(Section):
+    """The prefix cache's tiers below the GPU (docs/prefix-tiers.md): evicted state points spill to pinned
+    host RAM, and through it (write-through) to files on NVMe that survive a restart. Each budget is its
+    own, beside memory.host_memory_gb; `python -m server plan` shows what they hold."""
+
+    host_gb: float = Field(default=0.0, ge=0)  # pinned host RAM of the host tier, all ranks together (0: off)
+    disk_gb: float = Field(default=0.0, ge=0)  # NVMe of the disk tier (0: off); needs host_gb and one rank
+    dir: str | None = None  # the disk tier's files and catalog (required with disk_gb > 0; created if missing)
+
+
 class ServeConfig(Section):
     model: ModelSection = ModelSection()
     server: ServerSection = ServerSection()
@@ -185,6 +195,7 @@ class ServeConfig(Section):
     engram: EngramSection = EngramSection()
     metrics: MetricsSection = MetricsSection()
     offload: OffloadSection = OffloadSection()
+    prefix_cache: PrefixCacheSection = PrefixCacheSection()
 
     @property
     def model_dir(self) -> Path:
@@ -277,9 +288,38 @@ def load_config(
             set_by_flag[FLAG_KEYS[flag]] = f"--{flag.replace('_', '-')}"
             _set_dotted(tree, FLAG_KEYS[flag], value, set_by_flag[FLAG_KEYS[flag]])
     try:
-        return ServeConfig.model_validate(tree)
+        config = ServeConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigFileError(f"{path}: {_problems(exc, set_by_flag)}") from None
+    problems = _prefix_cache_problems(config, set_by_flag)
+    if problems:
+        raise ConfigFileError(f"{path}: {'; '.join(problems)}")
+    return config
+
+
+def _prefix_cache_problems(config: ServeConfig, set_by_flag: dict[str, str]) -> list[str]:
+    """prefix_cache settings that cannot work with the rest of the config (each section alone is valid)."""
+    tiers, problems = config.prefix_cache, []
+    if tiers.disk_gb > 0:
+        if not tiers.dir:
+            problems.append("prefix_cache.dir: required with prefix_cache.disk_gb > 0 (where the disk tier's files go)")
+        if tiers.host_gb == 0:
+            problems.append("prefix_cache.disk_gb: the disk tier is written through the host tier; set"
+                            " prefix_cache.host_gb > 0 too")
+        if config.parallel.tensor_parallel_size > 1:
+            tp = _flagged("parallel.tensor_parallel_size", set_by_flag)
+            problems.append(f"prefix_cache.disk_gb: the disk tier is not supported with {tp}"
+                            f" {config.parallel.tensor_parallel_size} yet (one rank only); set it to 0")
+    if (tiers.host_gb > 0 or tiers.disk_gb > 0) and not config.scheduler.enable_prefix_caching:
+        key = "prefix_cache.host_gb" if tiers.host_gb > 0 else "prefix_cache.disk_gb"
+        problems.append(f"{key}: the tiers keep the prefix cache's state points, and"
+                        f" {_flagged('scheduler.enable_prefix_caching', set_by_flag)} is false")
+    return problems
+
+
+def _flagged(key: str, set_by_flag: dict[str, str]) -> str:
+    """The key, with the flag that set it if one did."""
+    return f"{key} ({set_by_flag[key]})" if key in set_by_flag else key
 
 
 def _problems(exc: ValidationError, set_by_flag: dict[str, str]) -> str:

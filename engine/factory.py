@@ -16,17 +16,38 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from contract import EngineLimits, ModelFacts
+from contract import EngineLimits, ModelFacts, PrefixTierLimits
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.admission import MemoryPlan, plan_pages
 from engine.loop import EngineCore, OutputSink
-from engine.memory_plan import GiB, budget_bytes, model_bytes, profile_pages, profile_workspace
+from engine.memory_plan import (
+    GiB,
+    RecordLayout,
+    budget_bytes,
+    model_bytes,
+    prefix_tier_limits,
+    profile_pages,
+    profile_workspace,
+    record_layout,
+)
+from engine.prefix_catalog import (
+    CATALOG,
+    FIX,
+    CatalogWriter,
+    Fingerprint,
+    PrefixCatalogError,
+    checkpoint_parts,
+    digest,
+    load_catalog,
+)
 from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
-from models import SINGLE, ModelConfig, TensorParallel, load_model
+from models import SINGLE, ModelCache, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
+from models.host_tier import HostTierSpec
 from scheduler import Scheduler
+from scheduler.prefix_tiers import DiskEntry
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool, external_rank_main
 
@@ -68,7 +89,7 @@ def resolve_device(config: "ServeConfig") -> str:
 
 def resolve_dtype(config: "ServeConfig", device: str) -> torch.dtype:
     if config.model.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32  # a rank's device is cuda:<rank>
     return getattr(torch, config.model.dtype)
 
 
@@ -103,13 +124,20 @@ class EngineConfigError(ValueError):
 
 
 def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[EngineCore, EngineSpec]:
-    """The engine over a worker pool of `parallel.tensor_parallel_size` ranks (this process is rank 0)."""
+    """The engine over a worker pool of `parallel.tensor_parallel_size` ranks (this process is rank 0).
+    With the prefix cache's disk tier, its catalog is read (and a foreign one refused) before the model
+    loads, and seeds the scheduler."""
     ensure_default_model(config.model_dir)
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
     check_block_tokens(config, model_config)
     check_kv_cache_dtype(config, model_config)
-    pool = WorkerPool(config, partial(build_runner, config), resolve_device(config))
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    records = prefix_records(config, model_config, dtype, max_len)
+    tiers = prefix_tiers(config, records)
+    disk = read_disk_catalog(config, model_config, records, dtype) if tiers.disk else None
+    pool = WorkerPool(config, partial(build_runner, config), device)
     sched = config.scheduler
     limits = EngineLimits(
         max_num_seqs=sched.max_num_seqs,
@@ -120,14 +148,16 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
         num_pages=pool.num_pages,
         block_tokens=sched.block_tokens,
         prefix_snapshots=sched.snapshot_slots,
+        prefix_tiers=tiers,
     )
     vocabulary = GrammarVocabulary(config.model_dir / "tokenizer.json", model_config.vocab_size,
                                    model_config.eos_token_ids, model_config.model_type)
-    engine = EngineCore(Scheduler(limits), pool, on_outputs, StructuredOutputs(vocabulary))
-    device = resolve_device(config)
-    dtype = str(resolve_dtype(config, device)).removeprefix("torch.")
-    log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype, pool.world)
-    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype, memory=pool.memory_plan,
+    scheduler = Scheduler(limits)
+    catalog = seed_disk_tier(scheduler, tiers, prefix_dir(config), *disk) if disk is not None else None
+    engine = EngineCore(scheduler, pool, on_outputs, StructuredOutputs(vocabulary), catalog)
+    dtype_name = str(dtype).removeprefix("torch.")
+    log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype_name, pool.world)
+    return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype_name, memory=pool.memory_plan,
                               model=model_facts(model_config))
 
 
@@ -173,6 +203,83 @@ def cache_dtype(config: "ServeConfig") -> str:
     return "fp4" if config.offload.kv == "host_packed" else config.memory.kv_cache_dtype
 
 
+def meta_cache(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> ModelCache:
+    """The engine's cache layout on the meta device (no memory, one page): what `python -m server plan`
+    counts and what the prefix tiers' records hold. Raises ValueError for a kv_cache_dtype the model
+    cannot use."""
+    sched, tokens = config.scheduler, hot_tokens(config)
+    return ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
+                               device="meta", num_pages=1, block_tokens=sched.block_tokens,
+                               kv_cache_dtype=cache_dtype(config),
+                               host_tier=None if tokens is None else HostTierSpec(tokens, sched.max_num_seqs))
+
+
+def prefix_records(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> RecordLayout:
+    """One rank's prefix-tier records, from the cache layout (the runner keeps last logits, part of a
+    slot record, when it has snapshot slots)."""
+    vocab = model_config.vocab_size if config.scheduler.snapshot_slots else None
+    return record_layout(meta_cache(config, model_config, dtype, max_len), vocab)
+
+
+def prefix_tiers(config: "ServeConfig", records: RecordLayout) -> PrefixTierLimits:
+    return prefix_tier_limits(config.prefix_cache, config.parallel.tensor_parallel_size, records)
+
+
+def prefix_dir(config: "ServeConfig") -> Path | None:
+    """The disk tier's directory (None with the disk tier off)."""
+    return Path(config.prefix_cache.dir) if config.prefix_cache.disk_gb > 0 and config.prefix_cache.dir else None
+
+
+def catalog_fingerprint(config: "ServeConfig", model_config: ModelConfig, records: RecordLayout,
+                        dtype: torch.dtype) -> Fingerprint:
+    """What the disk tier's records depend on: the checkpoint (its files, engine/prefix_catalog.py), and
+    what decides their bytes or what the bytes mean: the model dtype (bf16 and fp16 records are the same
+    size), the paged stores' kv_cache_dtype, the tokens a page covers, each record tensor's row shape and
+    dtype in record order, the record sizes, the rank count. Not max_num_seqs, max_model_len or the
+    budgets (a record is one slot's or one page's whatever their number; a smaller tier drops the entries
+    past its end), nor runtime.deterministic or model.quantization (they compute the same state up to
+    rounding, as any two batch shapes do)."""
+    return Fingerprint.of({
+        **checkpoint_parts(config.model_dir),
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": stored_kv_cache_dtype(model_config, cache_dtype(config)),
+        "block_tokens": str(config.scheduler.block_tokens),
+        "slot record bytes": str(records.slot_bytes),
+        "page record bytes": str(records.page_bytes),
+        "record tensors": digest("\n".join(records.tensors).encode()),
+        "tensor_parallel_size": str(config.parallel.tensor_parallel_size),
+    })
+
+
+def read_disk_catalog(config: "ServeConfig", model_config: ModelConfig, records: RecordLayout,
+                      dtype: torch.dtype) -> tuple[Fingerprint, list[DiskEntry]]:
+    """Creates prefix_cache.dir if missing, then reads its catalog (PrefixCatalogError for a foreign or
+    unreadable one)."""
+    directory = prefix_dir(config)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EngineConfigError(f"prefix_cache.dir {directory}: cannot create it: {exc.strerror}") from exc
+    fingerprint = catalog_fingerprint(config, model_config, records, dtype)
+    return fingerprint, load_catalog(directory, fingerprint)
+
+
+def seed_disk_tier(scheduler: Scheduler, tiers: PrefixTierLimits, directory: Path, fingerprint: Fingerprint,
+                   entries: list[DiskEntry]) -> CatalogWriter:
+    """The scheduler's disk tier from the catalog's entries (those within this budget's records: a lower
+    prefix_cache.disk_gb drops the ones past its end), and the writer that keeps the catalog from now on."""
+    kept = [e for e in entries if e.slot < tiers.disk_slots and all(p < tiers.disk_pages for p in e.pages)]
+    if len(kept) < len(entries):
+        log.info("prefix disk tier: %d of the catalog's %d points lie past prefix_cache.disk_gb's records: dropped",
+                 len(entries) - len(kept), len(entries))
+    try:
+        scheduler.seed_disk(kept)
+    except ValueError as exc:
+        raise PrefixCatalogError(f"{directory / CATALOG}: inconsistent prefix catalog ({exc}); {FIX}") from exc
+    log.info("prefix disk tier: %d state points from %s", len(kept), directory)
+    return CatalogWriter(directory, fingerprint, scheduler.disk_version)
+
+
 def build_runner(
     config: "ServeConfig", plan_group: dist.ProcessGroup | None = None, num_pages: int | None = None
 ) -> tuple[ModelRunner, MemoryPlan | None]:
@@ -196,6 +303,7 @@ def build_runner(
     if converts_first and tp.rank == 0:
         dist.barrier(group=plan_group)
     sched = config.scheduler
+    tiers = prefix_tiers(config, prefix_records(config, model_config, dtype, max_len))
     memory_plan = None
     if num_pages is None:
         memory_plan = _memory_plan(config, model, device, max_len)
@@ -210,6 +318,7 @@ def build_runner(
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
+        prefix_tiers=tiers, prefix_dir=prefix_dir(config), rank=tp.rank if tp is not None else 0,
     )
     return runner, memory_plan
 

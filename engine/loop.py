@@ -9,6 +9,11 @@ Requests with an output constraint (`params.structured`) are matched by the engi
 StructuredOutputs (engine/structured_outputs.py; injected, like the executor): before each step
 every drawing constrained chunk gets its grammar's token bitmask, after it the matchers take the
 tokens the scheduler kept. A grammar that cannot be used fails its request alone.
+
+With the prefix cache's disk tier, the loop hands the scheduler's committed disk entries to the
+catalog's writer (engine/prefix_catalog.py) when its disk_version moved: at most once a second, and a
+last time as the loop ends. The writer encodes and writes them on a thread of its own, so a step never
+waits on the disk; the loop's share is taking the entries list.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from contract import (
 from scheduler import Scheduler
 
 if TYPE_CHECKING:  # xgrammar (and torch) load in the engine process only, with the factory
+    from engine.prefix_catalog import CatalogWriter
     from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("ds4serve.engine")
@@ -43,9 +49,10 @@ OutputSink = Callable[[Sequence[RequestOutput]], None]  # called once per step w
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_outputs: OutputSink,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
         self.structured = structured  # None: constrained requests are refused
+        self.catalog = catalog  # None: no prefix disk tier
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -62,6 +69,8 @@ class EngineCore:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.catalog is not None:  # the loop offered its last entries as it ended: write them
+            self.catalog.close()
         if self.structured is not None:
             self.structured.close()
 
@@ -101,12 +110,21 @@ class EngineCore:
                 self._drain_inbox(block=not self.scheduler.has_work)
                 if self.scheduler.has_work:
                     self.step()
+                self._persist()  # idle too: a change the rate limit held back is written within a second
         except Exception as exc:  # the loop cannot go on (e.g. a rank failed and the config says exit)
             log.exception("the engine loop stopped")
             self.failure = f"{type(exc).__name__}: {exc}"
             outputs = self.scheduler.fail_all(f"the engine stopped: {self.failure}")
             self._release_grammars(outputs)
             self._emit(outputs)
+        finally:
+            self._persist(final=True)
+
+    def _persist(self, final: bool = False) -> None:
+        """Offers the disk tier's committed entries to the catalog writer when they changed (the writer
+        rate-limits, unless `final`). On the loop thread: the scheduler is the loop's alone."""
+        if self.catalog is not None:
+            self.catalog.offer(self.scheduler.disk_version, self.scheduler.disk_entries, final=final)
 
     def _maintain(self) -> None:
         """Lets the executor repair itself between steps (restart a failed tensor-parallel pool)."""

@@ -5,17 +5,34 @@ prefill chunk of `max_num_batched_tokens`, decode tokens for the other sequences
 kept, sampling with 20 logprobs); its peak is the workspace. engine/admission.py turns the figures
 into a page count. The budget is `gpu_memory_utilization` of the device on a GPU and `host_memory_gb`
 on the CPU (where the cache lives in host memory).
+
+The prefix cache's tiers below the GPU (docs/prefix-tiers.md) are budgeted here too, in records: a slot
+record (one state point's fixed state and its last-logits row) and a page record (one KV page of every
+paged layer), their bytes read off the engine's cache layout (`record_layout`).
 """
 
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass
 
 import torch
 
 from contract import SamplingParams, ScheduledChunk, StepPlan
+from contract.config import PrefixCacheSection
+from contract.limits import PrefixTierLimits
+from engine.admission import MemoryPlanError
+from engram_store.format import PAGE
+from models.cache import ModelCache
+from worker.prefix_tiers import disk_record_pages, page_record_bytes, slot_record_bytes
 
 GiB = 2**30
+# Slots get this share of a tier's bytes (at least one slot), pages the rest. A point costs one slot plus
+# the pages it does not share: a chat's newest points (its last boundary and finish) share all of its
+# pages, so a long chat asks mostly for pages (V4-Flash, 64K tokens: 3 slots of 11.7 MB against 512
+# pages of 0.88 MB, 7% slots) and a short one mostly for slots (4K tokens: 3 slots against 32 pages,
+# 55%). A quarter sits between; V4-Flash then keeps ~40 pages (5K tokens) per slot.
+SLOT_SHARE = 0.25
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -69,3 +86,56 @@ def budget_bytes(device: str, gpu_memory_utilization: float, host_memory_gb: flo
     return int(host_memory_gb * GiB)
 
 
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """One rank's records of the prefix cache's tiers (worker/prefix_tiers.py lays them out): their bytes
+    and what they hold, in order (each fixed tensor's row, the last-logits row when the runner keeps one,
+    then each paged tensor's page: what a record's bytes mean, for the disk catalog's fingerprint)."""
+
+    slot_bytes: int  # one state point's fixed state and last-logits row
+    page_bytes: int  # one page of every paged layer (the KV host tier's part included)
+    tensors: tuple[str, ...]  # "slot|page [row shape] dtype" per tensor, in record order
+
+    @property
+    def disk_slot_bytes(self) -> int:
+        return disk_record_pages(self.slot_bytes) * PAGE
+
+    @property
+    def disk_page_bytes(self) -> int:
+        return disk_record_pages(self.page_bytes) * PAGE
+
+
+def record_layout(cache: ModelCache, vocab_size: int | None) -> RecordLayout:
+    """The records of `cache`'s layout (a live cache or one on the meta device: only shapes count);
+    `vocab_size` when the runner keeps last logits (it does with prefix-cache snapshot slots)."""
+    rows = [("slot", t) for t in cache.fixed_tensors()] + [("page", t) for t in cache.paged_tensors()]
+    tensors = [f"{kind} {list(t.shape[1:])} {str(t.dtype).removeprefix('torch.')}" for kind, t in rows]
+    if vocab_size:
+        tensors.insert(len(cache.fixed_tensors()), f"slot [{vocab_size}] float32")
+    return RecordLayout(slot_record_bytes(cache, vocab_size), page_record_bytes(cache), tuple(tensors))
+
+
+def split_tier(budget: int, slot_bytes: int, page_bytes: int, key: str) -> tuple[int, int]:
+    """(slots, pages) one tier's `budget` bytes hold (SLOT_SHARE); (0, 0) for a tier that is off.
+    Raises MemoryPlanError, naming `key`, for a budget below one slot and one page."""
+    if budget <= 0:
+        return 0, 0
+    slots = max(1, int(budget * SLOT_SHARE) // slot_bytes)
+    pages = (budget - slots * slot_bytes) // page_bytes
+    if pages < 1:
+        raise MemoryPlanError(
+            f"{key}: {budget:,} B per rank hold no state point: one needs a slot record of {slot_bytes:,} B and"
+            f" at least one page record of {page_bytes:,} B; raise it or set it to 0 (off)"
+        )
+    return slots, pages
+
+
+def prefix_tier_limits(section: PrefixCacheSection, ranks: int, layout: RecordLayout) -> PrefixTierLimits:
+    """Each rank's share of the tiers' budgets, in records (every rank keeps its own copy of each point)."""
+    host_slots, host_pages = split_tier(int(section.host_gb * GiB) // ranks, layout.slot_bytes, layout.page_bytes,
+                                        "prefix_cache.host_gb")
+    disk_slots, disk_pages = split_tier(int(section.disk_gb * GiB) // ranks, layout.disk_slot_bytes,
+                                        layout.disk_page_bytes, "prefix_cache.disk_gb")
+    return PrefixTierLimits(host_slots, host_pages, disk_slots, disk_pages)

@@ -35,20 +35,22 @@ from contract.config import (
     load_config,
 )
 from contract.features import Unbuilt, unbuilt_features
+from contract.limits import PrefixTierLimits
 from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
 from engine.factory import (
     EngineConfigError,
-    cache_dtype,
     check_kv_cache_dtype,
-    hot_tokens,
     max_model_len,
+    meta_cache,
+    prefix_records,
+    prefix_tiers,
     resolve_dtype,
 )
+from engine.memory_plan import RecordLayout
 from engine.plan_weights import KINDS, WeightTensor, weight_tensors
 from engram_store.build import RESIDENCIES
-from models.cache import ModelCache, page_granularity
+from models.cache import page_granularity
 from models.config import ConfigError, ModelConfig
-from models.host_tier import HostTierSpec
 
 GiB = 2**30
 MODELS_DIR = REPO_ROOT / "configs" / "models"
@@ -88,6 +90,8 @@ class RigPlan:
     kv: MemoryPlan
     host_budget_bytes: int
     needs: tuple[str, ...]  # unbuilt features the plan assumes
+    records: RecordLayout  # the prefix cache tiers' records, per rank
+    prefix_tiers: PrefixTierLimits  # per rank
 
     @property
     def weights_bytes(self) -> int:
@@ -179,17 +183,10 @@ def cache_bytes(model_config: ModelConfig, config: ServeConfig, dtype: torch.dty
     except EngineConfigError as error:
         raise ConfigFileError(str(error)) from error
     try:
-        cache = ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
-                                    device="meta", num_pages=1, block_tokens=sched.block_tokens,
-                                    kv_cache_dtype=cache_dtype(config), host_tier=host_tier_spec(config))
+        cache = meta_cache(config, model_config, dtype, max_len)
     except ValueError as error:
         raise ConfigFileError(f"memory.kv_cache_dtype: {error}") from error
     return cache.page_bytes(), cache.slot_bytes(), cache.host_tier_page_bytes()
-
-
-def host_tier_spec(config: ServeConfig) -> HostTierSpec | None:
-    tokens = hot_tokens(config)
-    return None if tokens is None else HostTierSpec(tokens, config.scheduler.max_num_seqs)
 
 
 def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigPlan:
@@ -229,10 +226,15 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
             f" is {config.memory.host_memory_gb:g}: lower engram.host_cache_gb, keep fewer tables at residency host"
             " (engram.residency: disk), or raise memory.host_memory_gb"
         )
+    records = prefix_records(config, model_config, dtype, max_len)
+    try:
+        tiers = prefix_tiers(config, records)
+    except MemoryPlanError as exc:
+        raise PlanRefused(f"{name}: {exc}") from None
     needs = tuple(str(f) for f in unbuilt_features(config))
     return RigPlan(config_path, model_json, model_config, device, ranks, dtype, config.model.quantization,
                    tuple(weights), engram, activations, logits, max_len, config.scheduler.max_num_seqs, kv, host_budget,
-                   needs)
+                   needs, records, tiers)
 
 
 def budgets(config: ServeConfig, device: str, ranks: int) -> tuple[int, int]:
@@ -333,6 +335,7 @@ def describe(plan: RigPlan) -> str:
         f"  free                  {_gib(kv.budget_bytes - used)}",
     ]
     lines += _engram_lines(plan)
+    lines += _prefix_tier_lines(plan)
     lines.append("needs       " + ("; ".join(plan.needs) if plan.needs else "nothing unbuilt"))
     lines.append("fits        yes")
     return "\n".join(lines)
@@ -355,6 +358,23 @@ def _engram_lines(plan: RigPlan) -> list[str]:
         f"  host RAM              {_gib(e.host_bytes)}   resident tables, row cache, resident scales",
         f"  NVMe                  {_gib(e.disk_bytes)}   table files of disk-resident layers",
     ]
+
+
+def _prefix_tier_lines(plan: RigPlan) -> list[str]:
+    """The prefix cache's tiers below the GPU (prefix_cache), per rank: records and their bytes."""
+    t, r = plan.prefix_tiers, plan.records
+    if not t.host:
+        return ["prefix tiers off (prefix_cache.host_gb 0)"]
+    lines = [(f"prefix tiers per rank: a slot record {r.slot_bytes:,} B (fixed state, last logits), a page record"
+              f" {r.page_bytes:,} B ({plan.kv.block_tokens} tokens)")]
+    tiers = [("host RAM", t.host_slots, t.host_pages, r.slot_bytes, r.page_bytes, "pinned")]
+    if t.disk:
+        tiers.append(("NVMe", t.disk_slots, t.disk_pages, r.disk_slot_bytes, r.disk_page_bytes,
+                      "records in sealed 4 KiB pages"))
+    for where, slots, pages, slot_bytes, page_bytes, how in tiers:
+        lines.append(f"  {where:<22}{_gib(slots * slot_bytes + pages * page_bytes)}   {slots:,} slots + {pages:,} pages"
+                     f" = {pages * plan.kv.block_tokens:,} tokens, {how}")
+    return lines
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

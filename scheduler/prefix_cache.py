@@ -32,14 +32,20 @@ requests diverge (the list above), and the tail after a hit is recomputed.
 
 Lookup indexes points by the chained hash of their full pages (with the tenant's salt), so finding the
 longest usable point costs one dict probe per page of the prompt; a candidate's tokens are then
-compared exactly, so a hash collision can never serve wrong state. Points are evicted least recently
-used when snapshot slots or pages run out; a page is only ever freed when no request holds it.
+compared exactly, so a hash collision can never serve wrong state. When snapshot slots or pages run
+out, points are evicted by value (`ValueOrder`, GreedyDual: long, often-hit prefixes outlive short
+unused ones; the tiers below use the same order, scheduler/prefix_tiers.py) and, with the host tier
+on, spilled into it rather than lost (`on_evict`); a page is only ever freed when no request holds it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -52,6 +58,7 @@ class StatePoint:
     # request made of exactly these tokens needs no forward before its first draw
     has_logits: bool = False
     chain: int = field(repr=False, default=0)  # hash of (salt, full pages' tokens): the lookup key
+    hits: int = 0  # requests that resumed from it (its value: ValueOrder), carried into the tiers below
 
     @property
     def position(self) -> int:
@@ -64,6 +71,14 @@ class PrefixHit:
     position: int  # tokens the request skips
 
 
+class Resumable(Protocol):
+    """What a lookup needs of a point, in any tier."""
+
+    salt: str | None
+    tokens: tuple[int, ...]
+    has_logits: bool
+
+
 def block_chain(salt: str | None, tokens: tuple[int, ...] | list[int], block_tokens: int, blocks: int) -> list[int]:
     """Chained hashes h_0 .. h_blocks: h_k covers the salt and the first k full blocks of tokens."""
     chain = [hash(("ds4serve-prefix", salt))]
@@ -72,16 +87,89 @@ def block_chain(salt: str | None, tokens: tuple[int, ...] | list[int], block_tok
     return chain
 
 
+P = TypeVar("P", bound=Resumable)
+
+
+def longest_point(by_chain: dict[int, list[P]], salt: str | None, tokens: Sequence[int], chain: list[int],
+                  block_tokens: int) -> P | None:
+    """The longest point of a chain index whose tokens start `tokens`: one probe per full page of them
+    (`chain` is their block_chain), then an exact comparison, so a hash collision never serves wrong
+    state. It leaves at least one token to compute, unless it covers all of them and kept the logits to
+    draw the next one from."""
+    for k in range(len(tokens) // block_tokens, -1, -1):  # points at k full blocks sit at [k, k + 1) blocks
+        best = None
+        for point in by_chain.get(chain[k], ()):
+            p = len(point.tokens)
+            limit = len(tokens) - (0 if point.has_logits else 1)
+            if point.salt == salt and p <= limit and (best is None or p > len(best.tokens)) \
+                    and tuple(tokens[:p]) == point.tokens:
+                best = point
+        if best is not None:
+            return best
+    return None
+
+
+class ValueOrder(Generic[K]):
+    """Eviction by value, GreedyDual: a key's priority is `clock + (1 + hits) * size` (size: its tokens),
+    set when it enters and refreshed on each hit; the victim is the lowest priority, and the clock rises
+    to each victim's, so what nobody uses ages out while long, often-hit prefixes stay. Equal priorities
+    go least recently refreshed first. A heap with lazy deletion: refreshes push, stale entries are
+    skipped when popped."""
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self._heap: list[tuple[int, int, K]] = []
+        self._live: dict[K, tuple[int, int]] = {}  # key -> (priority, sequence) of its current heap entry
+        self._sequence = 0
+
+    def keys(self) -> set[K]:
+        return set(self._live)
+
+    def set(self, key: K, size: int, hits: int) -> None:
+        self._sequence += 1
+        entry = (self.clock + (1 + hits) * size, self._sequence)
+        self._live[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 2 * len(self._live) + 64:  # too many stale entries: rebuild
+            self._heap = [(*entry, k) for k, entry in self._live.items()]
+            heapq.heapify(self._heap)
+
+    def discard(self, key: K) -> None:
+        self._live.pop(key, None)
+
+    def pop(self, evictable: Callable[[K], bool] = lambda key: True) -> K | None:
+        """Removes and returns the lowest-priority key that `evictable` allows (None: none does)."""
+        skipped: list[tuple[int, int, K]] = []
+        victim = None
+        while self._heap:
+            priority, sequence, key = heapq.heappop(self._heap)
+            if self._live.get(key) != (priority, sequence):
+                continue  # stale: refreshed or discarded since
+            if evictable(key):
+                victim = key
+                del self._live[key]
+                self.clock = priority
+                break
+            skipped.append((priority, sequence, key))
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return victim
+
+
 class PrefixCache:
-    """The state points, their snapshot slots and their LRU order; page references go through the
-    block manager's `cache_pages` / `uncache_pages`."""
+    """The state points, their snapshot slots and their eviction order; page references go through
+    the block manager's `cache_pages` / `uncache_pages`."""
 
     def __init__(self, snapshot_slots: list[int], block_tokens: int, blocks) -> None:
         self.block_tokens = block_tokens
         self.blocks = blocks  # BlockManager (pages are referenced by points as well as by requests)
         self.free_snapshots = list(reversed(snapshot_slots))
-        self.points: OrderedDict[tuple[str | None, tuple[int, ...]], StatePoint] = OrderedDict()  # LRU first
+        self.points: dict[tuple[str | None, tuple[int, ...]], StatePoint] = {}
         self.by_chain: dict[int, list[StatePoint]] = {}
+        self.order: ValueOrder[tuple[str | None, tuple[int, ...]]] = ValueOrder()
+        # called with each victim before its snapshot slot and pages are freed (the scheduler spills it
+        # into the host tier); dropping points for other reasons (clear, a replacement) does not call it
+        self.on_evict: Callable[[StatePoint], None] = lambda point: None
         self.queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of which found in the cache
 
@@ -89,28 +177,23 @@ class PrefixCache:
     def num_points(self) -> int:
         return len(self.points)
 
-    def lookup(self, salt: str | None, tokens: list[int], count: bool = True) -> PrefixHit | None:
-        """The longest point whose tokens start `tokens`. It leaves at least one token to compute,
-        unless it covers all of them and kept the logits to draw the next one from."""
-        full = len(tokens) // self.block_tokens
-        chain = block_chain(salt, tokens, self.block_tokens, full)
-        hit = None
-        for k in range(full, -1, -1):  # points at k full blocks sit at positions [k, k + 1) blocks
-            best = None
-            for point in self.by_chain.get(chain[k], ()):
-                p = point.position
-                limit = len(tokens) - (0 if point.has_logits else 1)
-                if point.salt == salt and p <= limit and tuple(tokens[:p]) == point.tokens:
-                    if best is None or p > best.position:
-                        best = point
-            if best is not None:
-                hit = PrefixHit(best, best.position)
-                self.points.move_to_end((best.salt, best.tokens))
-                break
+    def lookup(self, salt: str | None, tokens: list[int], count: bool = True,
+               chain: list[int] | None = None) -> PrefixHit | None:
+        """The longest point whose tokens start `tokens` (see `longest_point`); `chain`: their
+        block_chain when the caller has it. A hit is only counted in the point's value by `touch`."""
+        if chain is None:
+            chain = block_chain(salt, tokens, self.block_tokens, len(tokens) // self.block_tokens)
+        point = longest_point(self.by_chain, salt, tokens, chain, self.block_tokens)
+        hit = PrefixHit(point, point.position) if point is not None else None
         if count:
             self.queried_tokens += len(tokens)
             self.hit_tokens += hit.position if hit else 0
         return hit
+
+    def touch(self, point: StatePoint) -> None:
+        """A request resumes from the point: its value rises."""
+        point.hits += 1
+        self.order.set((point.salt, point.tokens), point.position, point.hits)
 
     def insert(
         self, salt: str | None, tokens: tuple[int, ...], pages: tuple[int, ...], has_logits: bool = False
@@ -121,27 +204,37 @@ class PrefixCache:
             return None
         key = (salt, tokens)
         if key in self.points and (self.points[key].has_logits or not has_logits):
-            self.points.move_to_end(key)
+            self.order.set(key, len(tokens), self.points[key].hits)
             return None
+        hits = 0
         if key in self.points:  # the same tokens, now with logits: replace it
+            hits = self.points[key].hits
             self._drop(key)
         if not self.free_snapshots and not self.evict_one():
             return None
         pages = pages[: -(-len(tokens) // self.block_tokens)]
         full = len(tokens) // self.block_tokens
         chain = block_chain(salt, tokens, self.block_tokens, full)[full]
-        point = StatePoint(salt, tokens, self.free_snapshots.pop(), pages, has_logits, chain)
+        point = StatePoint(salt, tokens, self.free_snapshots.pop(), pages, has_logits, chain, hits)
         self.blocks.cache_pages(pages)
         self.points[key] = point
         self.by_chain.setdefault(chain, []).append(point)
+        self.order.set(key, len(tokens), hits)
         return point
 
     def evict_one(self) -> bool:
-        """Drops the least recently used point; False when there is none."""
-        if not self.points:
+        """Drops the point of lowest value (after `on_evict`); False when there is none."""
+        key = self.order.pop()
+        if key is None:
             return False
-        self._drop(next(iter(self.points)))
+        self.on_evict(self.points[key])
+        self._drop(key)
         return True
+
+    def clear(self) -> None:
+        """Drops every point, none spilled (a failed step: the snapshots may not hold what they should)."""
+        for key in list(self.points):
+            self._drop(key)
 
     def _drop(self, key: tuple[str | None, tuple[int, ...]]) -> None:
         point = self.points.pop(key)
@@ -149,6 +242,7 @@ class PrefixCache:
         siblings.remove(point)
         if not siblings:
             del self.by_chain[point.chain]
+        self.order.discard(key)
         self.blocks.uncache_pages(point.pages)
         self.free_snapshots.append(point.snapshot)
 
@@ -158,3 +252,4 @@ class PrefixCache:
         assert len(used) + len(self.free_snapshots) == snapshot_slots, "snapshot slots leaked"
         indexed = sum(len(v) for v in self.by_chain.values())
         assert indexed == len(self.points), "the chain index does not match the points"
+        assert self.order.keys() == set(self.points), "the eviction order does not match the points"

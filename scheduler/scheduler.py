@@ -11,6 +11,11 @@ With the prefix cache on (scheduler/prefix_cache.py), an admitted request resume
 state point its tokens start with, and the scheduler takes points after prompt chunks, at the
 request's cache boundary (a prompt chunk ends there), at preemption and at the end of a request.
 The copies this needs (slot snapshots, a partial page) ride in the next StepPlan.
+
+With the host tier on (scheduler/prefix_tiers.py, docs/prefix-tiers.md), a point the GPU evicts is
+spilled into it (and written through to the disk tier), and admission takes the longest hit across the
+tiers: a host hit is loaded into the request's slot and pages; a disk hit is fetched into the host tier
+first, while the request waits and the requests behind it are admitted past it.
 """
 
 from __future__ import annotations
@@ -28,14 +33,22 @@ from contract import (
     StateCopy,
     StepPlan,
     StepResult,
+    TierDone,
+    TierMove,
     TokenLogprob,
     validate_request,
 )
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_cache import PrefixCache, StatePoint, block_chain
+from scheduler.prefix_tiers import DiskEntry, PrefixTiers, TierPoint
 from scheduler.request import Request, RequestStatus
 
 log = logging.getLogger("ds4serve.scheduler")
+
+TIER_RANK = {"gpu": 0, "host": 1, "disk": 2}  # equally long hits: the nearest tier wins
+# a block table no request has: it holds this plan's page-copy sources, so a page an eviction frees
+# later in the same schedule is not handed to a load, which runs before the page copies
+COPY_SOURCES = "\x00page-copy-sources"
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,20 @@ class SchedulerStats:
     prefix_queried_tokens: int = 0  # since start
     prefix_hit_tokens: int = 0
     prefix_points: int = 0
+    host_points: int = 0  # the prefix cache's host and disk tiers (docs/prefix-tiers.md)
+    disk_points: int = 0
+    host_hit_tokens: int = 0  # of prefix_hit_tokens, those loaded from host (since start)
+    disk_hit_tokens: int = 0  # and those fetched from disk first
+    fetch_failures: int = 0  # fetches that failed verification or the read (the request recomputed)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The longest state point a request's tokens start with, in one tier."""
+
+    tier: str  # "gpu", "host" or "disk"
+    point: StatePoint | TierPoint
+    position: int
 
 
 class Scheduler:
@@ -64,7 +91,15 @@ class Scheduler:
             snapshots = list(range(limits.max_num_seqs, limits.max_num_seqs + limits.prefix_snapshots))
             self.prefix = PrefixCache(snapshots, limits.block_tokens, self.blocks)
             self.blocks.evict = self.prefix.evict_one
+        self.tiers: PrefixTiers | None = None
+        if self.prefix is not None and limits.prefix_tiers.host:
+            self.tiers = PrefixTiers(limits.prefix_tiers, limits.block_tokens)
+            self.prefix.on_evict = self._spill
         self._saves: list[StateCopy] = []  # taken since the last plan; the worker copies them first
+        self._fetching: dict[str, int] = {}  # waiting request -> the ticket of the fetch it waits for
+        self._scanned: set[str] = set()  # waiting requests already looked up for a disk hit
+        self._fetched: set[str] = set()  # waiting requests whose fetch finished: their host hit came from disk
+        self.host_hit_tokens = self.disk_hit_tokens = 0
 
     def validate(self, request: NewRequest) -> None:
         validate_request(self.limits, request)
@@ -82,14 +117,37 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._saves)
+        """Requests, snapshots to take, or tier moves to send or still out (their TierDone is work)."""
+        return bool(self.waiting or self.running or self._saves or (self.tiers is not None and self.tiers.busy))
+
+    @property
+    def disk_version(self) -> int:
+        """Rises whenever the committed disk points change (the engine rewrites its catalog then)."""
+        disk = self.tiers.disk if self.tiers is not None else None
+        return disk.version if disk is not None else 0
+
+    def disk_entries(self) -> list[DiskEntry]:
+        """The committed disk points (their write finished), for the engine's catalog."""
+        return self.tiers.disk_entries() if self.tiers is not None else []
+
+    def seed_disk(self, entries: list[DiskEntry]) -> None:
+        """The disk tier from the engine's catalog, at startup before any request; ValueError for
+        inconsistent entries (nothing is seeded then) or when the disk tier is off."""
+        if self.tiers is None:
+            if entries:
+                raise ValueError("the prefix cache's disk tier is off")
+            return
+        self.tiers.seed_disk(entries)
 
     def schedule(self) -> StepPlan:
         budget = self.limits.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         restores: list[StateCopy] = []
         page_copies: list[tuple[int, int]] = []
+        loads: list[TierMove] = []
         scheduled: set[str] = set()
+        if self.tiers is not None and self.tiers.disk is not None:
+            self._scan_waiting()
         for request in [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]:
             if budget <= 0:
                 break
@@ -101,11 +159,19 @@ class Scheduler:
             chunks.append(self._chunk(request, budget))
             scheduled.add(request.request_id)
             budget -= length
-        while self.waiting and self.blocks.has_slot() and budget > 0:
-            request = self.waiting[0]
-            if not self._admit(request, budget, restores, page_copies):
+        index = 0
+        while index < len(self.waiting) and self.blocks.has_slot() and budget > 0:
+            request = self.waiting[index]
+            hit = None
+            if request.request_id not in self._fetching:
+                hit = self._lookup(request)  # a disk hit starts a fetch, which the request then waits for
+            if request.request_id in self._fetching:  # the requests behind it go first
+                index += 1
+                continue
+            if not self._admit(request, hit, budget, restores, page_copies, loads):
                 break  # admission never preempts
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._scanned.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             if request.scheduled_at is None:  # a preempted request's queue time ended at its first admission
                 request.scheduled_at = time.monotonic()
@@ -117,21 +183,66 @@ class Scheduler:
         # a snapshot slot freed and taken again since the last plan: only its last save counts
         saves = tuple({copy.target: copy for copy in self._saves}.values())
         self._saves = []
-        return StepPlan(chunks=tuple(chunks), saves=saves, restores=tuple(restores), page_copies=tuple(page_copies))
+        self.blocks.close(COPY_SOURCES)
+        tiers = self.tiers
+        return StepPlan(chunks=tuple(chunks), saves=saves, restores=tuple(restores), page_copies=tuple(page_copies),
+                        tier_moves=tiers.take_moves(loads) if tiers is not None else (),
+                        tickets_out=len(tiers.tickets) if tiers is not None else 0)
 
-    def _admit(self, request: Request, budget: int, restores: list[StateCopy], page_copies: list[tuple[int, int]]) -> bool:
-        """Gives the request a slot and pages for its first chunk, resuming from the longest prefix-cache
-        point its tokens start with; False (nothing taken) if the pages do not fit."""
+    def _scan_waiting(self) -> None:
+        """Looks up each request as it joins the queue, so a disk hit's fetch starts then, not when the
+        request reaches the head of the queue."""
+        for request in self.waiting:
+            rid = request.request_id
+            if rid not in self._scanned and rid not in self._fetching:
+                self._scanned.add(rid)
+                self._lookup(request)
+
+    def _lookup(self, request: Request) -> Hit | None:
+        """The longest state point across the tiers that the request's tokens start with (equally long:
+        the nearest tier). A disk hit is fetched into the host tier and returned: the request waits for
+        it (`_fetching`); if the host tier has no room for it, the best hit above the disk instead."""
+        if self.prefix is None or request.params.prompt_logprobs is not None:  # echo needs every position
+            return None
+        salt, tokens, block = request.cache_salt, request.all_token_ids, self.limits.block_tokens
+        chain = block_chain(salt, tokens, block, len(tokens) // block)
+        gpu = self.prefix.lookup(salt, tokens, count=False, chain=chain)
+        hits = [Hit("gpu", gpu.point, gpu.position)] if gpu is not None else []
+        if self.tiers is not None:
+            host, disk = self.tiers.lookup(salt, tokens, chain)
+            hits += [Hit(tier, point, point.position) for tier, point in (("host", host), ("disk", disk))
+                     if point is not None]
+        hits.sort(key=lambda hit: (-hit.position, TIER_RANK[hit.tier]))
+        if hits and hits[0].tier == "disk":
+            assert self.tiers is not None and isinstance(hits[0].point, TierPoint)
+            ticket = self.tiers.fetch(hits[0].point)
+            if ticket is not None:
+                self._fetching[request.request_id] = ticket
+                return hits[0]
+            hits.pop(0)
+        return hits[0] if hits else None
+
+    def _admit(self, request: Request, hit: Hit | None, budget: int, restores: list[StateCopy],
+               page_copies: list[tuple[int, int]], loads: list[TierMove]) -> bool:
+        """Gives the request a slot and pages for its first chunk, resuming from `hit` (a GPU or host
+        hit); False (nothing taken) if the pages do not fit."""
         rid = request.request_id
         slot = self.blocks.open(rid)
         tokens = request.all_token_ids
-        hit = None
-        if self.prefix is not None and request.params.prompt_logprobs is None:  # echo needs every position
-            hit = self.prefix.lookup(request.cache_salt, tokens, count=False)
         start = hit.position if hit else 0
-        full = start // self.limits.block_tokens
-        if hit:
+        block = self.limits.block_tokens
+        full = start // block
+        # before the pages are taken: evictions may not free the hit's partial page or its host rows
+        if hit is not None and isinstance(hit.point, StatePoint):
+            assert self.prefix is not None
             self.blocks.share(rid, hit.point.pages[:full])
+            self.prefix.touch(hit.point)
+            if start % block and self.tiers is not None:
+                self.blocks.tables.setdefault(COPY_SOURCES, [])
+                self.blocks.share(COPY_SOURCES, [hit.point.pages[full]])
+        elif hit is not None:
+            assert self.tiers is not None
+            self.tiers.hold(hit.point)
         request.num_computed_tokens = start
         if not self.blocks.grow(rid, start + self._chunk_length(request, budget)):
             self.blocks.close(rid)
@@ -143,11 +254,22 @@ class Scheduler:
             self.prefix.queried_tokens += len(tokens)
             self.prefix.hit_tokens += start
             request.num_cached_tokens = start
-        if hit:
+            if hit is not None and hit.tier == "host":
+                if rid in self._fetched:
+                    self.disk_hit_tokens += start
+                else:
+                    self.host_hit_tokens += start
+        self._fetched.discard(rid)
+        if hit is None:
+            return True
+        if isinstance(hit.point, StatePoint):
             restores.append(StateCopy(hit.point.snapshot, slot))
-            if start % self.limits.block_tokens:
+            if start % block:
                 page_copies.append((hit.point.pages[full], self.blocks.table(rid)[full]))
-            log.debug("prefix-cache hit: %s resumes at token %d of %d", rid, start, len(tokens))
+        else:
+            assert self.tiers is not None
+            loads.append(self.tiers.load(hit.point, slot, self.blocks.table(rid)[: self.blocks.pages_for(start)]))
+        log.debug("prefix-cache %s hit: %s resumes at token %d of %d", hit.tier, rid, start, len(tokens))
         return True
 
     def _chunk_length(self, request: Request, budget: int) -> int:
@@ -207,7 +329,9 @@ class Scheduler:
         )
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Applies a step's results; returns one output per request that changed."""
+        """Applies a step's results (its finished tier moves first); returns one output per request that changed."""
+        for done in result.tier_done:
+            self._tier_done(done)
         by_id = {r.request_id: r for r in self.running}
         outputs = []
         for chunk, chunk_result in zip(plan.chunks, result.chunks, strict=True):
@@ -229,6 +353,30 @@ class Scheduler:
             if chunk_result.new_tokens:
                 outputs.append(self._append_tokens(request, chunk_result.new_tokens))
         return outputs
+
+    def _tier_done(self, done: TierDone) -> None:
+        """A write or fetch finished (unknown tickets, e.g. forgotten by fail_all, are ignored); the
+        requests that waited for a fetch look up again: a host hit now, or after an error a shorter one."""
+        ticket = self.tiers.done(done) if self.tiers is not None else None
+        if ticket is None or ticket.kind != "fetch":
+            return
+        for rid in [rid for rid, waited in self._fetching.items() if waited == done.ticket]:
+            del self._fetching[rid]
+            self._scanned.discard(rid)
+            if done.error is None:
+                self._fetched.add(rid)
+
+    def _spill(self, point: StatePoint) -> None:
+        """A GPU victim goes to the host tier, from its snapshot slot; or, while the save into that slot
+        is still pending, from the request slot the save would have copied (it still holds that state:
+        a plan's spills run before anything else), and the save is dropped."""
+        assert self.tiers is not None
+        source = point.snapshot
+        for copy in self._saves:
+            if copy.target == point.snapshot:
+                source = copy.source
+        self._saves = [copy for copy in self._saves if copy.target != point.snapshot]
+        self.tiers.spill(point, source)
 
     def _append_tokens(self, request: Request, tokens: tuple[TokenLogprob, ...]) -> RequestOutput:
         """Appends a step's new tokens in order (several after a speculative step), checking stop and
@@ -276,11 +424,16 @@ class Scheduler:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The step failed: every running request ends with the error; waiting ones stay queued. The
-        step's snapshot copies may not have run, so the prefix cache starts over."""
+        step's snapshot copies may not have run, so the prefix cache starts over: its GPU and host
+        points go, outstanding tier moves are forgotten; committed disk points stay (a fetch verifies)."""
         if self.prefix is not None:
-            while self.prefix.evict_one():
-                pass
+            self.prefix.clear()
             self._saves.clear()
+        if self.tiers is not None:
+            self.tiers.drop_host()
+            self._fetching.clear()
+            self._fetched.clear()
+            self._scanned.clear()
         return [self._finish(request, RequestStatus.FAILED, "error", message) for request in list(self.running)]
 
     def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> RequestOutput:
@@ -315,16 +468,24 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.slot = None
+        self._fetching.pop(request.request_id, None)  # its fetch still completes; the host point stays
+        self._scanned.discard(request.request_id)
+        self._fetched.discard(request.request_id)
 
     def stats(self) -> SchedulerStats:
-        prefix = self.prefix
+        prefix, tiers = self.prefix, self.tiers
+        disk = tiers.disk if tiers is not None else None
         return SchedulerStats(
             len(self.running), len(self.waiting), self.num_preemptions, self.last_step_tokens, self.blocks.stats(),
             prefix.queried_tokens if prefix else 0, prefix.hit_tokens if prefix else 0, prefix.num_points if prefix else 0,
+            host_points=len(tiers.host.points) if tiers is not None else 0,
+            disk_points=len(disk.points) if disk is not None else 0,
+            host_hit_tokens=self.host_hit_tokens, disk_hit_tokens=self.disk_hit_tokens,
+            fetch_failures=tiers.fetch_failures if tiers is not None else 0,
         )
 
     def check_integrity(self) -> None:
-        """Pages and slots add up, and exactly the running requests hold them."""
+        """Pages and slots add up in every tier, and exactly the running requests hold them."""
         cache_refs = None
         if self.prefix is not None:
             self.prefix.check_integrity(self.limits.prefix_snapshots)
@@ -336,3 +497,8 @@ class Scheduler:
         holders = {r.request_id for r in self.running}
         assert set(self.blocks.slots) == holders, "slots held by requests that are not running"
         assert all(self.blocks.slots[r.request_id] == r.slot for r in self.running), "a request lost its slot"
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+            waiting = {r.request_id for r in self.waiting}
+            assert all(rid in waiting and self.tiers.tickets[t].kind == "fetch" for rid, t in self._fetching.items()), \
+                "a request waits for a fetch that is not out, or is not waiting"

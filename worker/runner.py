@@ -1,10 +1,12 @@
 """Model runner: one step of one worker, as prepare -> forward -> sample -> report over a StepContext.
 
-- prepare: the prefix cache's state copies, then the step's layout: the chunks to compute, the logit
-  rows each wants, and the step as captured decode-graph rows or as an eager flat batch.
+- prepare: the prefix cache's state copies (its host and disk tiers' moves too), then the step's layout:
+  the chunks to compute, the logit rows each wants, and the step as captured decode-graph rows or as an
+  eager flat batch.
 - forward: graph replay or eager forward; fills each chunk's logits and Engram read failures.
 - sample: every sampling row of the step in one batched draw (worker/sampler.py), and echo logprobs.
-- report: hints the next step's Engram rows, builds the StepResult.
+- report: hints the next step's Engram rows, builds the StepResult (with the prefix disk tier's moves
+  that finished since the last step: worker/prefix_tiers.py).
 
 The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
 the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
@@ -26,15 +28,20 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from contract import (
+    TIER_MOVES,
     ChunkResult,
     EngramStats,
+    PrefixTierLimits,
     ScheduledChunk,
     StepPlan,
     StepResult,
+    TierDone,
+    TierMove,
     TokenLogprob,
 )
 from kernels.batch_invariant import BatchInvariantMode
@@ -43,7 +50,13 @@ from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
+from worker.prefix_tiers import DiskTier, HostTier, Tickets
 from worker.sampler import NOT_DRAWABLE, DrawRow, prompt_logprobs, sample_rows
+
+# a plan with no chunks but tier moves in flight waits this long at most for a completion (blocking on
+# the completions queue, not spinning), so an engine waiting only on the disk tier neither spins nor stalls
+TIER_WAIT_S = 0.005
+NO_PREFIX_TIERS = PrefixTierLimits()
 
 
 @dataclass
@@ -80,6 +93,9 @@ class ModelRunner:
         cuda_graphs: bool = False,
         kv_cache_dtype: str = "auto",
         kv_hot_tokens: int | None = None,
+        prefix_tiers: PrefixTierLimits = NO_PREFIX_TIERS,
+        prefix_dir: Path | None = None,
+        rank: int | None = None,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
@@ -91,7 +107,9 @@ class ModelRunner:
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
         then has one more slot and page (scratch). `kv_cache_dtype`: "fp4" packs V4.1's paged entries
         (models/packed_pages.py). `kv_hot_tokens`: those entries live in a host tier, with each running
-        sequence's last `kv_hot_tokens` tokens' pages in a GPU ring (models/host_tier.py)."""
+        sequence's last `kv_hot_tokens` tokens' pages in a GPU ring (models/host_tier.py).
+        `prefix_tiers`: the prefix cache's host tier (and disk tier, in `prefix_dir`/rank<`rank`>, `rank`
+        defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py)."""
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
@@ -120,6 +138,17 @@ class ModelRunner:
         self.last_logits = None
         if snapshot_slots:
             self.last_logits = torch.zeros(num_slots + snapshot_slots, model.config.vocab_size, device=device)
+        self.host_tier, self.disk_tier = self._prefix_tiers(prefix_tiers, prefix_dir, tp.rank if rank is None else rank)
+        self.tickets = Tickets(tp, self.logits.device)
+
+    def _prefix_tiers(self, limits: PrefixTierLimits, directory: Path | None,
+                      rank: int) -> tuple[HostTier | None, DiskTier | None]:
+        host = HostTier(self.cache, self.last_logits, limits.host_slots, limits.host_pages) if limits.host else None
+        if not limits.disk:
+            return host, None
+        if directory is None:
+            raise ValueError("the prefix cache's disk tier needs its directory (prefix_cache.dir)")
+        return host, DiskTier(host, Path(directory) / f"rank{rank}", limits.disk_slots, limits.disk_pages)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: the stages below, in order, over one StepContext."""
@@ -145,13 +174,38 @@ class ModelRunner:
         return step
 
     def _copy_prefix_state(self, plan: StepPlan) -> None:
-        """Snapshots first (they read slots as the last step left them), then restores, then pages."""
+        """In docs/prefix-tiers.md's order: spills (they free GPU slots and pages the plan may hand out
+        again), the disk tier's writes and fetches (queued for its threads), snapshots (they read slots
+        as the last step left them), restores, loads, then pages."""
+        moves = self._tier_moves(plan)
+        if moves["spill"]:
+            self.host_tier.spill(moves["spill"])
+        if moves["write"] or moves["fetch"]:
+            ready = self.host_tier.ready()  # after the spills: what the writer waits for
+            self.tickets.issue(moves["write"] + moves["fetch"])
+            self.disk_tier.write(moves["write"], ready)
+            self.disk_tier.fetch(moves["fetch"], ready)
         for copies in (plan.saves, plan.restores):
             sources, targets = [c.source for c in copies], [c.target for c in copies]
             self.cache.copy_slots(sources, targets)
             if copies and self.last_logits is not None:
                 self.last_logits[targets] = self.last_logits[sources]
+        if moves["load"]:
+            self.host_tier.load(moves["load"])
         self.cache.copy_pages([s for s, _ in plan.page_copies], [t for _, t in plan.page_copies])
+
+    def _tier_moves(self, plan: StepPlan) -> dict[str, list[TierMove]]:
+        """The plan's tier moves by kind; refused if a tier they need is off."""
+        moves: dict[str, list[TierMove]] = {kind: [] for kind in TIER_MOVES}
+        for move in plan.tier_moves:
+            if move.kind not in moves:
+                raise ValueError(f"unknown tier move kind {move.kind!r} (ticket {move.ticket})")
+            moves[move.kind].append(move)
+        disk = moves["write"] or moves["fetch"]
+        if (plan.tier_moves and self.host_tier is None) or (disk and self.disk_tier is None):
+            raise ValueError(f"the plan moves prefix state to or from a tier this runner does not have "
+                             f"(host tier {'on' if self.host_tier else 'off'}, disk tier {'on' if self.disk_tier else 'off'})")
+        return moves
 
     def _graph_rows(self, computed: list[ScheduledChunk]) -> list[DecodeRow] | None:
         """The step as decode rows when a captured graph can run it (one token per chunk, a bucket
@@ -240,7 +294,15 @@ class ModelRunner:
     def _report(self, step: StepContext) -> StepResult:
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
-        return StepResult(chunks=tuple(results))
+        return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))
+
+    def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:
+        """The disk tier's moves finished since the last step (on every rank); a plan with nothing else
+        to do but moves in flight first waits a little for one."""
+        if self.disk_tier is None:
+            return ()
+        wait_s = TIER_WAIT_S if not plan.chunks and plan.tickets_out > 0 else 0.0
+        return self.tickets.finish(self.disk_tier.finished(wait_s))
 
     @staticmethod
     def _chunk_result(step: StepContext, chunk: ScheduledChunk) -> ChunkResult:
@@ -295,8 +357,10 @@ class ModelRunner:
         return None
 
     def close(self) -> None:
-        """Stops the Engram store's I/O thread (before the interpreter tears torch down); the runner's
-        memory goes with it."""
+        """Stops the prefix disk tier's threads (moves not started are abandoned) and the Engram store's
+        I/O thread (before the interpreter tears torch down); the runner's memory goes with it."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
         if self.model.engram_memory is not None:
             self.model.engram_memory.close()
 
