@@ -17,10 +17,8 @@ its down columns). Each rank's float32 sum is partial: one all-reduce per layer 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
 from kernels.moe import (
     ExpertWeights,
@@ -30,14 +28,9 @@ from kernels.moe import (
     experts_reference,
     grouped_mm_supported,
 )
+from kernels.router import SCORE_FUNCTIONS, route
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards
-
-SCORE_FUNCTIONS = {
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-    "sigmoid": torch.sigmoid,
-    "softmax": lambda logits: logits.softmax(dim=-1),
-}
 
 
 class Router(nn.Module):
@@ -47,7 +40,9 @@ class Router(nn.Module):
         self.scale = config.routed_scaling_factor
         self.temperature = config.gate_temp
         self.renormalize = not config.is_v41 or (config.norm_topk_prob and self.top_k > 1)
-        self.score_fn = SCORE_FUNCTIONS[config.scoring_func]
+        if config.scoring_func not in SCORE_FUNCTIONS:
+            raise ValueError(f"scoring_func {config.scoring_func!r}: choose from {', '.join(SCORE_FUNCTIONS)}")
+        self.score_name = config.scoring_func
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
@@ -59,16 +54,10 @@ class Router(nn.Module):
                 )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (weights [T, k], expert ids [T, k])."""
-        scores = self.score_fn(F.linear(x.float(), self.weight.float()) / self.temperature)
-        if self.hashed:
-            experts = self.tid2eid[token_ids].long()
-        else:
-            _, experts = stable_topk(scores + self.e_score_correction_bias, self.top_k)
-        weights = scores.gather(1, experts)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, experts
+        """Returns (weights [T, k], expert ids [T, k]) (kernels/router.py)."""
+        bias = None if self.hashed else self.e_score_correction_bias
+        return route(x, self.weight, token_ids, self.top_k, self.temperature, self.scale, self.renormalize,
+                     self.score_name, bias, self.tid2eid if self.hashed else None)
 
 
 class Experts(nn.Module):

@@ -73,6 +73,34 @@ def test_hc_site_and_merge_kernels_equal_the_reference(n):
     check_hc_site_and_merge(n, tokens=3, dim=1100, dtype=torch.float32, seed=n)  # a partial last block
 
 
+def check_router(tokens: int, experts: int, dim: int, top_k: int, dtype: torch.dtype, seed: int,
+                 device: str = DEVICE) -> None:
+    """The fused router against the torch ops: hash routing and top-k routing (with ties: equal
+    biased scores must pick the lowest index), renormalised or not, a temperature. The logits' float32
+    sums run in another order, so weights agree within 1e-5; the experts exactly (scores are spread
+    enough that no two differ by less than the sums' rounding, except the planted exact ties)."""
+    from kernels.router import route_reference, route_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=generator, device=device).to(dtype)
+    weight = (torch.randn(experts, dim, generator=generator, device=device) / dim**0.5 * 4).to(dtype)
+    weight[experts // 2] = weight[experts // 2 + 1]  # equal logits for two experts: a tie
+    bias = torch.zeros(experts, device=device)
+    table = torch.randint(0, experts, (50, top_k), generator=generator, device=device)
+    token_ids = torch.randint(0, 50, (tokens,), generator=generator, device=device)
+    for hashed in (True, False):
+        for renormalize, temperature in ((True, 1.0), (False, 0.7)):
+            args = (x, weight, token_ids, top_k, temperature, 1.5, renormalize)
+            got = route_triton(*args, bias=bias, table=table if hashed else None)
+            want = route_reference(*args, "sqrtsoftplus", bias=bias, table=table if hashed else None)
+            assert torch.equal(got[1], want[1]), (hashed, renormalize)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_router_kernels_equal_the_reference():
+    check_router(tokens=3, experts=24, dim=700, top_k=6, dtype=torch.float32, seed=0)
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_equals_the_reference(dtype, weighted):

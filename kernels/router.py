@@ -1,0 +1,139 @@
+"""MoE routing: a token's expert ids and weights from the router's logits.
+
+score = score_fn(x @ W^T / temperature) in float32; the experts are a hash table's row for the token
+(hash layers) or the top-k of score + correction bias (ties: the lowest index, as kernels/topk.py);
+the weights are the chosen experts' plain scores, renormalised over them when asked, times the
+routed scaling factor. In torch that is ~10 launches a layer (the float32 casts of x and of the
+gate weight among them) plus a stable sort for the top-k: ~29 us a router at decode batch 1 on the
+H200 (`bench.slice families`), for 2 MB of weights. `route` runs it as two Triton kernels on CUDA
+for sqrtsoftplus scores (V4 and V4.1): the logits, one program per (token, block of experts), then
+one program per token for the scores, the top-k (k rounds of a max) and the weights.
+`route_reference` is the torch definition (the CPU path and the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.topk import stable_topk
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path runs
+    triton = None
+
+SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+EXPERT_BLOCK = 8  # experts per logits program (256 experts: 32 programs a token)
+K_BLOCK = 512  # hidden channels a logits program reads per iteration
+
+
+def route_reference(
+    x: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, top_k: int, temperature: float, scale: float,
+    renormalize: bool, score_fn: str, bias: torch.Tensor | None = None, table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int64). `table` [vocab, k]: hash routing
+    by token id; otherwise the top-k of score + `bias`."""
+    scores = SCORE_FUNCTIONS[score_fn](F.linear(x.float(), weight.float()) / temperature)
+    if table is not None:
+        experts = table[token_ids].long()
+    else:
+        _, experts = stable_topk(scores + bias, top_k)
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, top_k: int, temperature: float, scale: float,
+    renormalize: bool, score_fn: str, bias: torch.Tensor | None = None, table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference`, as two Triton kernels on CUDA for sqrtsoftplus scores."""
+    if triton is None or not x.is_cuda or score_fn != "sqrtsoftplus" or x.shape[0] == 0:
+        return route_reference(x, weight, token_ids, top_k, temperature, scale, renormalize, score_fn, bias, table)
+    return route_triton(x, weight, token_ids, top_k, temperature, scale, renormalize, bias, table)
+
+
+def route_triton(
+    x: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, top_k: int, temperature: float, scale: float,
+    renormalize: bool, bias: torch.Tensor | None = None, table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, dim = x.shape
+    experts = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(tokens, triton.cdiv(experts, EXPERT_BLOCK))](
+        x, weight, logits, experts, dim, BLOCK_E=EXPERT_BLOCK, BLOCK_K=K_BLOCK, num_warps=4
+    )
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
+    hashed = table is not None
+    _router_pick_kernel[(tokens,)](
+        logits, bias.float().contiguous() if bias is not None else logits,
+        table.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids, weights, ids,
+        experts, 1.0 / temperature, scale, K=top_k, KP=triton.next_power_of_2(top_k),
+        BLOCK=triton.next_power_of_2(experts), HASHED=hashed,
+        RENORMALIZE=renormalize, num_warps=4,
+    )
+    return weights, ids
+
+
+if triton is not None:
+
+    @triton.jit
+    def _router_logits_kernel(x_ptr, weight_ptr, logits_ptr, experts, dim, BLOCK_E: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        """logits[t, e] = sum_d x[t, d] * W[e, d] in float32, for one block of experts."""
+        token, block = tl.program_id(0), tl.program_id(1)
+        e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+        rows = e < experts
+        acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            inside = k < dim
+            xk = tl.load(x_ptr + token.to(tl.int64) * dim + k, mask=inside, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + e[:, None].to(tl.int64) * dim + k[None, :], mask=rows[:, None] & inside[None, :],
+                        other=0.0).to(tl.float32)
+            acc += w * xk[None, :]
+        tl.store(logits_ptr + token * experts + e, tl.sum(acc, axis=1), mask=rows)
+
+    @triton.jit
+    def _router_pick_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, experts,
+                            inv_temperature, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                            HASHED: tl.constexpr, RENORMALIZE: tl.constexpr):
+        """One token: sqrtsoftplus scores (softplus as torch: x past 20 is itself, else log1p(e^x), whose
+        small e^x a plain log(1 + e^x) would round away), the experts (its hash row, or k rounds of the
+        largest score + bias, the lowest index on ties), their renormalised, scaled weights."""
+        token = tl.program_id(0)
+        e = tl.arange(0, BLOCK)
+        inside = e < experts
+        z = tl.load(logits_ptr + token * experts + e, mask=inside, other=0.0) * inv_temperature
+        y = tl.exp(tl.minimum(z, 20.0))
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # Kahan's log1p: exact to ~1 ulp for small y
+        softplus = tl.where(z > 20.0, z, log1p)
+        scores = tl.sqrt(softplus)
+        j = tl.arange(0, KP)  # K padded to a power of two; padding picks no expert (-1)
+        used = j < K
+        if HASHED:
+            token_id = tl.load(token_ids_ptr + token)
+            chosen = tl.load(table_ptr + token_id * K + j, mask=used, other=-1).to(tl.int32)
+        else:
+            biased = tl.where(inside, scores + tl.load(bias_ptr + e, mask=inside, other=0.0), float("-inf"))
+            chosen = tl.full([KP], -1, tl.int32)
+            for r in tl.static_range(K):
+                best = tl.max(biased, axis=0)
+                index = tl.min(tl.where(biased == best, e, BLOCK), axis=0)
+                chosen = tl.where(j == r, index, chosen)
+                biased = tl.where(e == index, float("-inf"), biased)
+        picked = tl.sum(tl.where(e[None, :] == chosen[:, None], scores[None, :], 0.0), axis=1)
+        if RENORMALIZE:
+            picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+        tl.store(weights_ptr + token * K + j, picked * scale, mask=used)
+        tl.store(ids_ptr + token * K + j, chosen.to(tl.int64), mask=used)
