@@ -298,9 +298,16 @@ def test_graph_decode_makes_no_allocation(checkpoints, kind):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_kernels_compiled_equal_their_references(seed):
     """The comparisons of tests/test_triton_kernels.py, compiled for the GPU, at V4-Flash widths too."""
-    from tests.test_triton_kernels import check_hc_mixes, check_hc_site_and_merge, check_rms_norm, check_router
+    from tests.test_triton_kernels import (
+        check_argmax_logprob,
+        check_hc_mixes,
+        check_hc_site_and_merge,
+        check_rms_norm,
+        check_router,
+    )
 
     check_hc_mixes(4, tokens=33, seed=seed, device="cuda")
+    check_argmax_logprob(rows=33, vocab=129280, seed=seed, device="cuda")  # V4's vocabulary
     for dtype in (torch.float32, torch.bfloat16):
         check_router(tokens=33, experts=256, dim=4096, top_k=6, dtype=dtype, seed=seed, device="cuda")  # V4-Flash
     for dtype in (torch.float32, torch.bfloat16):

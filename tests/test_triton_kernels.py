@@ -97,6 +97,31 @@ def check_router(tokens: int, experts: int, dim: int, top_k: int, dtype: torch.d
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
+def check_argmax_logprob(rows: int, vocab: int, seed: int, device: str = DEVICE) -> None:
+    """The split greedy draw against torch's argmax + log_softmax: the same token (the lowest index
+    among equal maxima, also when they lie in different blocks), its logprob within 1e-5, and a NaN
+    logprob for rows holding NaN or +inf, or only -inf."""
+    from kernels.argmax import SPLIT, argmax_logprob_reference, argmax_logprob_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator, device=device) * 4
+    logits[1, [7, SPLIT + 3]] = logits[1].max() + 1  # a tie across two blocks: the lower index wins
+    logits[2, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, :SPLIT] = float("-inf")  # a whole block of -inf adds nothing
+    tokens, chosen = argmax_logprob_triton(logits)
+    want_tokens, want = argmax_logprob_reference(logits)
+    finite = torch.isfinite(want)
+    assert finite.tolist() == torch.isfinite(chosen).tolist() and finite[2:5].sum() == 0
+    assert torch.equal(tokens[finite], want_tokens[finite]) and int(tokens[1]) == 7
+    torch.testing.assert_close(chosen[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_logprob_kernels_equal_the_reference():
+    check_argmax_logprob(rows=7, vocab=2 * 2048 + 300, seed=0)
+
+
 def test_router_kernels_equal_the_reference():
     check_router(tokens=3, experts=24, dim=700, top_k=6, dtype=torch.float32, seed=0)
 

@@ -44,6 +44,7 @@ import torch
 
 from contract import SamplingParams, TokenLogprob
 from kernels import stable_topk
+from kernels.argmax import argmax_logprob
 
 # why a row that comes back as None fails its request (the client reads it)
 NOT_DRAWABLE = ("the next token cannot be sampled: the logits, or the distribution the sampling parameters "
@@ -100,6 +101,10 @@ def sample(
 def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob | None]:
     """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs, or None
     for a row whose logits or distribution are not finite (its request fails; the others are drawn)."""
+    if all(row.plain and not row.params.logprobs for row in rows):  # greedy, nothing but the chosen logprob
+        tokens, chosen = argmax_logprob(logits)  # a NaN / inf row shows in its chosen logprob
+        return [TokenLogprob(token_id=token, logprob=logprob) if math.isfinite(logprob) else None
+                for token, logprob in zip(tokens.tolist(), chosen.tolist())]
     logprobs = torch.log_softmax(logits, dim=-1)
     if all(row.plain for row in rows):
         tokens, drawable = torch.argmax(logits, dim=-1), None  # a NaN / inf row shows in its chosen logprob
