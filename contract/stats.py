@@ -53,6 +53,12 @@ class EngineStats:
     pages_cached: int = 0  # reusable by the prefix cache, evictable
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of which found there
+    prefix_gpu_points: int = 0  # the prefix cache's state points in each tier now (docs/prefix-tiers.md)
+    prefix_host_points: int = 0
+    prefix_disk_points: int = 0
+    prefix_host_hits: int = 0  # of prefix_cache_hits, the tokens loaded from the host tier, since start
+    prefix_disk_hits: int = 0  # and those fetched from the disk tier first
+    prefix_fetch_failures: int = 0  # disk fetches that failed their read or verification (recomputed), since start
     steps: int = 0
     last_step_tokens: int = 0
     step_tokens: StepTokens = StepTokens()

@@ -13,7 +13,10 @@ tokens the scheduler kept. A grammar that cannot be used fails its request alone
 With the prefix cache's disk tier, the loop hands the scheduler's committed disk entries to the
 catalog's writer (engine/prefix_catalog.py) when its disk_version moved: at most once a second, and a
 last time as the loop ends. The writer encodes and writes them on a thread of its own, so a step never
-waits on the disk; the loop's share is taking the entries list.
+waits on the disk; the loop's share is taking the entries list. Before that last time, a loop that
+stops cleanly flushes the GPU's state points to the disk tier (`Scheduler.flush`), for up to `flush_s`:
+otherwise a point reaches the disk only when the GPU evicts it, and a restart would lose every
+conversation still on the GPU. A loop that died does not flush: its executor may be gone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,14 +49,20 @@ if TYPE_CHECKING:  # xgrammar (and torch) load in the engine process only, with 
 log = logging.getLogger("ds4serve.engine")
 
 OutputSink = Callable[[Sequence[RequestOutput]], None]  # called once per step with its outputs (never empty)
+# how long a stopping loop may spend putting the prefix cache's GPU points on disk: with the close and
+# the catalog's last write, within the 10 s the front end waits for the engine process to exit
+FLUSH_S = 8.0
 
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_outputs: OutputSink,
-                 structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None) -> None:
+                 structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None,
+                 flush_s: float = FLUSH_S) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
         self.structured = structured  # None: constrained requests are refused
         self.catalog = catalog  # None: no prefix disk tier
+        self.flush_s = flush_s
+        self._stop_by = float("inf")  # set by stop(): no flush plan starts after stop() stopped waiting
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -65,10 +75,14 @@ class EngineCore:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ends the loop after its step in progress (waiting up to `timeout` seconds for it) and its flush to
+        the prefix disk tier (`flush_s` more); requests still running are left as they are. Then the catalog
+        is written a last time. The executor stays open (its owner closes it)."""
+        self._stop_by = time.monotonic() + timeout + self.flush_s
         self._stopping.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout + self.flush_s)
         if self.catalog is not None:  # the loop offered its last entries as it ended: write them
             self.catalog.close()
         if self.structured is not None:
@@ -84,6 +98,8 @@ class EngineCore:
             running=s.running, waiting=s.waiting, preemptions=s.preemptions, pages_total=s.blocks.total,
             pages_held=s.blocks.held, pages_cached=s.blocks.cached, steps=self.steps, last_step_tokens=s.last_step_tokens,
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
+            prefix_gpu_points=s.prefix_points, prefix_host_points=s.host_points, prefix_disk_points=s.disk_points,
+            prefix_host_hits=s.host_hit_tokens, prefix_disk_hits=s.disk_hit_tokens, prefix_fetch_failures=s.fetch_failures,
             step_tokens=self.step_tokens, engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
         )
 
@@ -111,6 +127,7 @@ class EngineCore:
                 if self.scheduler.has_work:
                     self.step()
                 self._persist()  # idle too: a change the rate limit held back is written within a second
+            self._flush()
         except Exception as exc:  # the loop cannot go on (e.g. a rank failed and the config says exit)
             log.exception("the engine loop stopped")
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -119,6 +136,24 @@ class EngineCore:
             self._emit(outputs)
         finally:
             self._persist(final=True)
+
+    def _flush(self) -> None:
+        """Runs the scheduler's flush plans (tier moves, no chunks) until it has none left or the deadline
+        passes; a failing plan ends the flush (the points committed so far are kept). The catalog follows
+        as usual meanwhile, so a process killed mid-flush still leaves the points written a second ago."""
+        deadline = min(time.monotonic() + self.flush_s, self._stop_by)
+        while (plan := self.scheduler.flush()) is not None:
+            if time.monotonic() >= deadline:
+                log.warning("prefix disk tier: %d state points not on disk when the %.1f s flush ended: a restart"
+                            " recomputes them", self.scheduler.unflushed(), self.flush_s)
+                return
+            try:
+                result = self.executor.execute(plan)
+            except Exception:  # the engine is stopping anyway: what is committed is kept, the rest recomputes
+                log.exception("prefix disk tier: the flush failed; the points on disk so far are kept")
+                return
+            self.scheduler.update(plan, result)
+            self._persist()
 
     def _persist(self, final: bool = False) -> None:
         """Offers the disk tier's committed entries to the catalog writer when they changed (the writer

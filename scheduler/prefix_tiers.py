@@ -327,6 +327,11 @@ class PrefixTiers:
         """Moves to send, or asynchronous ones still out."""
         return bool(self._moves or self.tickets)
 
+    @property
+    def pinning(self) -> bool:
+        """Moves or the next plan's holds pin points: a tier with no room now may have some once they are done."""
+        return bool(self._moves or self.tickets or self._held)
+
     def lookup(self, salt: str | None, tokens: Sequence[int], chain: list[int]) -> tuple[TierPoint | None, TierPoint | None]:
         """The longest host point and the longest committed disk point `tokens` start with."""
         disk = self.disk.lookup(salt, tokens, chain) if self.disk is not None else None
@@ -351,6 +356,26 @@ class PrefixTiers:
         self.hold(target)
         self._moves.append(TierMove("spill", (source, target.slot), tuple(zip(point.pages[first:], target.pages[first:]))))
         self._write(target)
+
+    def flush(self, point: StatePoint, source: int) -> bool:
+        """A GPU point on its way to the disk tier as the engine stops (Scheduler.flush): spilled into the
+        host tier from model-cache slot `source` and written through, or only written when the host holds
+        it already. True once the disk holds it or its write is out; False when a tier has no room for it
+        now (every point pinned, or the point larger than the tier)."""
+        disk, key = self.disk, (point.salt, point.tokens)
+        assert disk is not None
+
+        def on_disk() -> bool:
+            held = disk.points.get(key)
+            return held is not None and (held.has_logits or not point.has_logits)
+
+        if not on_disk():
+            host = self.host.points.get(key)
+            if host is not None and host.published and (host.has_logits or not point.has_logits):
+                self._write(host)
+            else:
+                self.spill(point, source)
+        return on_disk()
 
     def _write(self, source: TierPoint) -> None:
         """Write-through of a host point to disk: pages the disk lacks, fresh seals, a ticket."""

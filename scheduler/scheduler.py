@@ -15,7 +15,9 @@ The copies this needs (slot snapshots, a partial page) ride in the next StepPlan
 With the host tier on (scheduler/prefix_tiers.py, docs/prefix-tiers.md), a point the GPU evicts is
 spilled into it (and written through to the disk tier), and admission takes the longest hit across the
 tiers: a host hit is loaded into the request's slot and pages; a disk hit is fetched into the host tier
-first, while the request waits and the requests behind it are admitted past it.
+first, while the request waits and the requests behind it are admitted past it. As the engine stops,
+`flush` puts the GPU's points on the disk tier too, so a restart finds the conversations that were
+never evicted.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Scheduler:
         self._fetching: dict[str, int] = {}  # waiting request -> the ticket of the fetch it waits for
         self._scanned: set[str] = set()  # waiting requests already looked up for a disk hit
         self._fetched: set[str] = set()  # waiting requests whose fetch finished: their host hit came from disk
+        self._flushing: deque[StatePoint] | None = None  # GPU points the stopping engine still puts on disk
         self.host_hit_tokens = self.disk_hit_tokens = 0
 
     def validate(self, request: NewRequest) -> None:
@@ -180,14 +183,48 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= len(chunks[-1].token_ids)
         self.last_step_tokens = self.limits.max_num_batched_tokens - budget
-        # a snapshot slot freed and taken again since the last plan: only its last save counts
-        saves = tuple({copy.target: copy for copy in self._saves}.values())
-        self._saves = []
         self.blocks.close(COPY_SOURCES)
         tiers = self.tiers
-        return StepPlan(chunks=tuple(chunks), saves=saves, restores=tuple(restores), page_copies=tuple(page_copies),
-                        tier_moves=tiers.take_moves(loads) if tiers is not None else (),
+        return StepPlan(chunks=tuple(chunks), saves=self._take_saves(), restores=tuple(restores),
+                        page_copies=tuple(page_copies), tier_moves=tiers.take_moves(loads) if tiers is not None else (),
                         tickets_out=len(tiers.tickets) if tiers is not None else 0)
+
+    def _take_saves(self) -> tuple[StateCopy, ...]:
+        """The snapshots taken since the last plan (a snapshot slot freed and taken again: its last save)."""
+        saves = tuple({copy.target: copy for copy in self._saves}.values())
+        self._saves = []
+        return saves
+
+    def flush(self) -> StepPlan | None:
+        """The next plan that puts the GPU's state points on the disk tier as the engine stops, so a restart
+        finds them (docs/prefix-tiers.md, "Restart"): tier moves and pending saves, no chunks (running
+        requests stay where they are). The most valuable points go first, as many as the host tier takes
+        now, each spilled and written through (or only written, when the host holds it); the rest wait for
+        this plan's moves to finish. None once every point is on disk (or fits no tier) and every move has
+        reported; at once without a disk tier. The engine runs each plan and `update`s with its result."""
+        tiers, prefix = self.tiers, self.prefix
+        if tiers is None or tiers.disk is None or prefix is None:
+            return None
+        if self._flushing is None:
+            by_value = sorted(prefix.points.values(), key=lambda p: (1 + p.hits) * p.position, reverse=True)
+            self._flushing = deque(by_value)
+        while self._flushing:
+            point = self._flushing[0]
+            if not tiers.flush(point, self._snapshot_source(point)):
+                if tiers.pinning:
+                    break  # room comes as moves finish
+                log.warning("prefix disk tier: a %d-token state point fits neither the host nor the disk tier: not"
+                            " flushed", point.position)
+            self._flushing.popleft()
+        if not self._flushing and not tiers.busy and not self._saves:
+            return None
+        return StepPlan(chunks=(), saves=self._take_saves(), tier_moves=tiers.take_moves(()),
+                        tickets_out=len(tiers.tickets))
+
+    def unflushed(self) -> int:
+        """GPU points the flush has not put on disk yet: still queued, or with their write still out."""
+        writes = sum(t.kind == "write" for t in self.tiers.tickets.values()) if self.tiers is not None else 0
+        return len(self._flushing or ()) + writes
 
     def _scan_waiting(self) -> None:
         """Looks up each request as it joins the queue, so a disk hit's fetch starts then, not when the
@@ -367,16 +404,22 @@ class Scheduler:
                 self._fetched.add(rid)
 
     def _spill(self, point: StatePoint) -> None:
-        """A GPU victim goes to the host tier, from its snapshot slot; or, while the save into that slot
-        is still pending, from the request slot the save would have copied (it still holds that state:
-        a plan's spills run before anything else), and the save is dropped."""
+        """A GPU victim goes to the host tier (from `_snapshot_source`); a save into its slot still
+        pending is dropped."""
         assert self.tiers is not None
+        source = self._snapshot_source(point)
+        self._saves = [copy for copy in self._saves if copy.target != point.snapshot]
+        self.tiers.spill(point, source)
+
+    def _snapshot_source(self, point: StatePoint) -> int:
+        """The model-cache slot holding a point's state for a spill: its snapshot slot, or while the save
+        into that slot is pending, the request slot the save copies (it still holds that state: a plan's
+        spills run before anything else)."""
         source = point.snapshot
         for copy in self._saves:
             if copy.target == point.snapshot:
                 source = copy.source
-        self._saves = [copy for copy in self._saves if copy.target != point.snapshot]
-        self.tiers.spill(point, source)
+        return source
 
     def _append_tokens(self, request: Request, tokens: tuple[TokenLogprob, ...]) -> RequestOutput:
         """Appends a step's new tokens in order (several after a speculative step), checking stop and

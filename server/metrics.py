@@ -3,11 +3,12 @@
 The vLLM names, labels (`model_name`, `engine`), buckets and help texts are those of vLLM's V1
 Prometheus logger (vllm/v1/metrics/loggers.py), so its dashboards and benchmark clients read this server
 unchanged; like vLLM, the exposition has the process and Python collectors and no `*_created` series.
-Engine figures (requests, pages, preemptions, tokens per step) are read from the engine's latest stats
-at scrape time; per-request figures (latencies, tokens, finish reasons, parameters) are recorded as an
-EngineCall hands outputs to the HTTP code. The queue, prefill, decode and inference times are the
-engine's own durations (RequestOutput.queue_time_s / inference_time_s), as vLLM measures them in its
-engine core. Each app gets its own registry, so several apps can live in one process.
+Engine figures (requests, pages, preemptions, tokens per step, the prefix cache's tiers, Engram's) are
+read from the engine's latest stats at scrape time; per-request figures (latencies, tokens, finish
+reasons, parameters) are recorded as an EngineCall hands outputs to the HTTP code. The queue, prefill,
+decode and inference times are the engine's own durations (RequestOutput.queue_time_s /
+inference_time_s), as vLLM measures them in its engine core. Each app gets its own registry, so several
+apps can live in one process.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ class EngineCollector(Collector):
                 yield self._cache_config(prefix, stats)
             yield step_tokens_figure(prefix, stats, labels)
         yield from engram_figures(stats.engram or EngramStats(), labels)  # zeros without a tiered store
+        yield from prefix_tier_figures(stats, labels)
 
     def _cache_config(self, prefix: str, stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's info-style gauge (always 1): the page size and count ride in its labels."""
@@ -346,6 +348,27 @@ def engram_figures(stats: EngramStats, labels: list[str]) -> Iterator[Metric]:
     buckets = [(str(edge), count) for edge, count in zip(PREFETCH_WAIT_BUCKETS, stats.wait_buckets)]
     waits.add_metric(labels, buckets + [("+Inf", stats.wait_count)], stats.wait_sum_s)
     yield waits
+
+
+def prefix_tier_figures(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """The prefix cache by tier (gpu / host / disk, docs/prefix-tiers.md): state points held, hit tokens
+    served (they add up to prefix_cache_hits), and disk fetches that failed."""
+    points = GaugeMetricFamily("ds4serve:prefix_cache_points", "Prefix cache state points held, by tier.",
+                               labels=[*LABELS, "tier"])
+    hits = CounterMetricFamily("ds4serve:prefix_cache_hits_by_tier",
+                               "Prefix cache hits, in cached tokens, by the tier that served them.",
+                               labels=[*LABELS, "tier"])
+    gpu_hits = stats.prefix_cache_hits - stats.prefix_host_hits - stats.prefix_disk_hits
+    for tier, held, served in (("gpu", stats.prefix_gpu_points, gpu_hits),
+                               ("host", stats.prefix_host_points, stats.prefix_host_hits),
+                               ("disk", stats.prefix_disk_points, stats.prefix_disk_hits)):
+        points.add_metric([*labels, tier], held)
+        hits.add_metric([*labels, tier], served)
+    failures = CounterMetricFamily("ds4serve:prefix_cache_fetch_failures",
+                                   "Prefix disk tier fetches that failed their read or verification (recomputed).",
+                                   labels=LABELS)
+    failures.add_metric(labels, stats.prefix_fetch_failures)
+    yield from (points, hits, failures)
 
 
 def kv_usage(stats: EngineStats) -> float:

@@ -552,3 +552,15 @@ def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():
 
     check_unpack_fp4(rows=64, dim=512, seed=1, device="cuda")  # V4.1-Flash entries
     check_unpack_fp4(rows=33, dim=128, seed=2, device="cuda")  # index keys
+
+
+@pytest.mark.parametrize("name,kv_cache_dtype,kv_hot_tokens", [("mixed", "auto", None), ("v41", "fp4", 16)])
+def test_prefix_tiers_round_trip_on_cuda_is_bitwise(checkpoints, tmp_path, name, kv_cache_dtype, kv_hot_tokens):
+    """Spill -> write -> fetch -> load of a state point on the device: the spills and loads are indexed
+    copy kernels through the mapped pinned host rows (with the KV host tier, between two host mappings),
+    and the disk writer and reader wait on the CUDA events recorded after the plan's spills; the loaded
+    slot decodes bitwise like the original."""
+    from tests.test_prefix_tiers_worker import check_round_trip
+
+    model = load_model(checkpoints[name], device="cuda")
+    check_round_trip(model, tmp_path, kv_cache_dtype, kv_hot_tokens, device="cuda")

@@ -363,6 +363,9 @@ class DiskScheduler:
     def disk_entries(self) -> list[DiskEntry]:
         return list(self._entries)
 
+    def flush(self) -> None:
+        """No GPU points to put on disk as the loop stops."""
+
 
 class IdleExecutor:
     def maintain(self) -> None:

@@ -46,10 +46,11 @@ def models(checkpoints):
     return {name: load_model(checkpoints[name]) for name in ("mixed", "v41")}
 
 
-def make_runner(model, directory, kv_cache_dtype: str = "auto", kv_hot_tokens: int | None = None) -> ModelRunner:
+def make_runner(model, directory, kv_cache_dtype: str = "auto", kv_hot_tokens: int | None = None,
+                device: str = "cpu") -> ModelRunner:
     """Two request slots and a snapshot slot (so the runner keeps last logits), every slot its own pages. Eager
     and not batch-invariant: each slot decodes alone in its step, so equal state gives bitwise equal logits."""
-    return ModelRunner(model, 2, MAX_LEN, block_tokens=BLOCK, snapshot_slots=1,
+    return ModelRunner(model, 2, MAX_LEN, device=device, block_tokens=BLOCK, snapshot_slots=1,
                        kv_cache_dtype=kv_cache_dtype, kv_hot_tokens=kv_hot_tokens, prefix_tiers=TIERS,
                        prefix_dir=directory)
 
@@ -88,7 +89,16 @@ def host_rows(runner: ModelRunner) -> list[torch.Tensor]:
     ("v41", "fp4", 16),  # and the KV host tier: a loaded page the GPU ring holds must be re-copied
 ])
 def test_spill_write_fetch_load_round_trip_is_bitwise(models, tmp_path, name, kv_cache_dtype, kv_hot_tokens):
-    runner = make_runner(models[name], tmp_path, kv_cache_dtype, kv_hot_tokens)
+    check_round_trip(models[name], tmp_path, kv_cache_dtype, kv_hot_tokens)
+
+
+def check_round_trip(model, directory, kv_cache_dtype: str = "auto", kv_hot_tokens: int | None = None,
+                     device: str = "cpu") -> None:
+    """A point spilled to host and written to disk in one plan, fetched into other host rows and loaded into
+    another slot: the same bytes there, and decode steps bitwise those of the original. On "cuda" (tests/test_gpu.py)
+    the spills and loads are copy kernels through the mapped pinned host rows, and the disk threads wait
+    on the CUDA events recorded after the plan's spills."""
+    runner = make_runner(model, directory, kv_cache_dtype, kv_hot_tokens, device)
     src, dst = pages_of(runner, 0), pages_of(runner, 1)
     step(runner, 1, random_tokens(40, seed=4), 0)  # the target slot and pages hold other state (and are hot)
     step(runner, 0, PROMPT, 0)
