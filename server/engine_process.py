@@ -97,8 +97,10 @@ class EngineProcess:
     def validate(self, request: NewRequest) -> None:
         validate_request(self.ready.limits, request)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Asks the engine to exit, then terminates and at last kills it; safe to call twice."""
+    def stop(self, timeout: float = 20.0) -> None:
+        """Asks the engine to exit, then terminates and at last kills it; safe to call twice. The wait
+        covers the prefix disk tier's flush on stop (up to 8 s, engine/loop.py) and the ranks' close;
+        compose's stop_grace_period (45 s, 90 s on GPUs) covers this."""
         if self._stopped:
             return
         self._stopped = self._stopping = True
