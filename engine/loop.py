@@ -224,7 +224,7 @@ class EngineCore:
     def _constrain(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
         """Each drawing constrained chunk with its grammar's bitmask; the requests whose grammar
         cannot be used, with why (their chunks run unconstrained and their results become errors)."""
-        if self.structured is None:
+        if self.structured is None or not self.structured.any_constrained:
             return plan, {}
         chunks, errors = list(plan.chunks), {}
         for i, chunk in enumerate(chunks):

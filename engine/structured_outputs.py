@@ -120,6 +120,11 @@ class StructuredOutputs:
     def constrained(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def any_constrained(self) -> bool:
+        """Whether any request holds a matcher (the loop skips its per-step pass when none does)."""
+        return bool(self._requests)
+
     def bitmask(self, request_id: str) -> tuple[int, ...]:
         """The next draw's allowed tokens as int32 words (ScheduledChunk.token_bitmask). Raises
         GrammarError if the request's grammar did not compile."""
