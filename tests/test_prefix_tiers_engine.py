@@ -52,7 +52,8 @@ class Setup:
     kv_hot_tokens: int | None = None  # the KV host tier: each running sequence's last tokens' pages on the GPU
 
 
-SETUPS = [Setup("mixed"), Setup("v41", "fp4", kv_hot_tokens=16)]
+# V4 plain; V4.1 with its plain cache; V4.1 with packed fp4 pages in the KV host tier (a GPU ring of 16 tokens)
+SETUPS = [Setup("mixed"), Setup("v41"), Setup("v41", "fp4", kv_hot_tokens=16)]
 
 
 @pytest.fixture(scope="module")
