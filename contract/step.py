@@ -71,6 +71,9 @@ class TierDone:
 
     ticket: int
     error: str | None = None
+    # a failed fetch: the disk page records (the move's source pages) that did not verify; () when only
+    # its slot record failed; None when that is not known (an I/O error, a failure on another rank)
+    bad_pages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

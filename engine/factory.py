@@ -34,6 +34,7 @@ from engine.prefix_catalog import (
     CATALOG,
     FIX,
     CatalogWriter,
+    DirectoryLock,
     Fingerprint,
     PrefixCatalogError,
     checkpoint_parts,
@@ -252,20 +253,25 @@ def catalog_fingerprint(config: "ServeConfig", model_config: ModelConfig, record
 
 
 def read_disk_catalog(config: "ServeConfig", model_config: ModelConfig, records: RecordLayout,
-                      dtype: torch.dtype) -> tuple[Fingerprint, list[DiskEntry]]:
-    """Creates prefix_cache.dir if missing, then reads its catalog (PrefixCatalogError for a foreign or
-    unreadable one)."""
+                      dtype: torch.dtype) -> tuple[Fingerprint, list[DiskEntry], DirectoryLock]:
+    """Creates prefix_cache.dir if missing, locks it (PrefixCatalogError if another server holds it),
+    then reads its catalog (PrefixCatalogError for a foreign or unreadable one)."""
     directory = prefix_dir(config)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EngineConfigError(f"prefix_cache.dir {directory}: cannot create it: {exc.strerror}") from exc
     fingerprint = catalog_fingerprint(config, model_config, records, dtype)
-    return fingerprint, load_catalog(directory, fingerprint)
+    lock = DirectoryLock(directory)
+    try:
+        return fingerprint, load_catalog(directory, fingerprint), lock
+    except Exception:
+        lock.release()
+        raise
 
 
 def seed_disk_tier(scheduler: Scheduler, tiers: PrefixTierLimits, directory: Path, fingerprint: Fingerprint,
-                   entries: list[DiskEntry]) -> CatalogWriter:
+                   entries: list[DiskEntry], lock: DirectoryLock | None = None) -> CatalogWriter:
     """The scheduler's disk tier from the catalog's entries (those within this budget's records: a lower
     prefix_cache.disk_gb drops the ones past its end), and the writer that keeps the catalog from now on."""
     kept = [e for e in entries if e.slot < tiers.disk_slots and all(p < tiers.disk_pages for p in e.pages)]
@@ -275,9 +281,11 @@ def seed_disk_tier(scheduler: Scheduler, tiers: PrefixTierLimits, directory: Pat
     try:
         scheduler.seed_disk(kept)
     except ValueError as exc:
+        if lock is not None:
+            lock.release()
         raise PrefixCatalogError(f"{directory / CATALOG}: inconsistent prefix catalog ({exc}); {FIX}") from exc
     log.info("prefix disk tier: %d state points from %s", len(kept), directory)
-    return CatalogWriter(directory, fingerprint, scheduler.disk_version)
+    return CatalogWriter(directory, fingerprint, scheduler.disk_version, lock=lock)
 
 
 def build_runner(

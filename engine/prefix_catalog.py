@@ -30,6 +30,7 @@ Its parts are kept, so a refusal says which differ.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -51,6 +52,7 @@ from scheduler.prefix_tiers import DiskEntry
 log = logging.getLogger("ds4serve.engine")
 
 CATALOG = "catalog.bin"
+LOCK = "lock"  # flock()ed by the server using the directory
 MAGIC = b"DS4PFXCT"
 VERSION = 1
 HEADER_LENGTH = struct.Struct("<I")
@@ -136,6 +138,30 @@ def sample_offsets(start: int, end: int) -> list[int]:
     evenly between (a data region of up to SAMPLED_BLOCKS blocks is read whole)."""
     span = max(0, end - start - BLOCK)
     return sorted({start + span * i // (SAMPLED_BLOCKS - 1) for i in range(SAMPLED_BLOCKS)})
+
+
+class DirectoryLock:
+    """An exclusive lock on prefix_cache.dir for as long as one server uses it. Two servers on one
+    directory would hand out the same record numbers and each rewrite the catalog whole: the seals would
+    keep every served state right, but the first server's points would silently vanish (overlapping
+    containers during a redeploy). flock() is released by the kernel when the process ends, so a
+    crashed server leaves no stale lock."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK
+        self._file = open(self.path, "a")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            self._file.close()
+            raise PrefixCatalogError(
+                f"prefix_cache.dir {directory}: another server is using it ({self.path} is locked); stop it, or"
+                " point prefix_cache.dir elsewhere") from exc
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
 
 
 def load_catalog(directory: Path, fingerprint: Fingerprint) -> list[DiskEntry]:
@@ -315,9 +341,11 @@ class CatalogWriter:
     which is safe: see the module docstring)."""
 
     def __init__(self, directory: Path, fingerprint: Fingerprint, version: int, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`version`: the scheduler's disk_version that the catalog on disk already holds."""
+                 clock: Callable[[], float] = time.monotonic, lock: DirectoryLock | None = None) -> None:
+        """`version`: the scheduler's disk_version that the catalog on disk already holds; `lock`: the
+        directory's, released after the last write (close)."""
         self.directory, self.fingerprint, self.interval_s, self._clock = directory, fingerprint, interval_s, clock
+        self._lock = lock
         self._offered, self._offered_at = version, clock()
         self.written_version = version
         self._pending: tuple[int, list[DiskEntry]] | None = None
@@ -342,6 +370,8 @@ class CatalogWriter:
             self._closing = True
             self._ready.notify()
         self._thread.join(timeout)
+        if self._lock is not None and not self._thread.is_alive():
+            self._lock.release()
 
     def _run(self) -> None:
         while True:

@@ -463,11 +463,24 @@ class PrefixTiers:
             self.host.publish(ticket.host)
             self.hold(ticket.host)  # not a victim of this step's spills: its requests are admitted next
         else:
-            log.warning("prefix disk tier: a fetch failed, its point is dropped: %s", done.error)
+            log.warning("prefix disk tier: a fetch failed, its point and the points sharing its pages are dropped: %s",
+                        done.error)
             self.fetch_failures += 1
-            self.disk.drop(ticket.disk)
+            self._drop_bad(ticket.disk, done.bad_pages)
             self.host.drop(ticket.host)
         return ticket
+
+    def _drop_bad(self, failed: TierPoint, bad_pages: tuple[int, ...] | None) -> None:
+        """A fetch of `failed` did not verify: it goes, and so does every disk point holding one of the
+        page records that failed (all of its pages when the worker could not say which): else a
+        recomputed prefix, written through, would link a bad record again (only the pages the disk lacks
+        are written). A bad slot record is the point's own. Pinned points (their own move in flight)
+        find out by themselves."""
+        assert self.disk is not None
+        bad = set(failed.pages if bad_pages is None else bad_pages)
+        self.disk.drop(failed)
+        for point in [p for p in self.disk.points.values() if not p.pins and bad & set(p.pages)]:
+            self.disk.drop(point)
 
     def drop_host(self) -> None:
         """A failed step: every host point goes and outstanding writes are forgotten (their points were

@@ -295,10 +295,13 @@ def test_the_factory_creates_the_directory_and_reads_its_catalog(tmp_path, tiny)
     directory = tmp_path / "nvme" / "prefix"
     config = load_config(None, ["prefix_cache.host_gb=1", "prefix_cache.disk_gb=1", f"prefix_cache.dir={directory}"])
     records = prefix_records(config, tiny, torch.float32, 4096)
-    fingerprint, found = read_disk_catalog(config, tiny, records, torch.float32)
+    fingerprint, found, lock = read_disk_catalog(config, tiny, records, torch.float32)
     assert found == [] and (directory / CATALOG).exists()
     write_catalog(directory, fingerprint, entries())
-    assert len(read_disk_catalog(config, tiny, records, torch.float32)[1]) == len(entries())
+    lock.release()  # a server's lock, held until its catalog writer closes
+    _, found, lock = read_disk_catalog(config, tiny, records, torch.float32)
+    assert len(found) == len(entries())
+    lock.release()
     fp16 = load_config(None, ["prefix_cache.host_gb=1", "prefix_cache.disk_gb=1", f"prefix_cache.dir={directory}",
                               "model.dtype=float16"])
     with pytest.raises(PrefixCatalogError, match=r"dtype float32 -> float16"):
@@ -424,3 +427,14 @@ def test_a_restarted_engine_resumes_its_disk_tier_and_another_layout_is_refused(
     assert second.scheduler.stats().disk_hit_tokens > 0 or second.scheduler.stats().host_hit_tokens > 0
     with pytest.raises(PrefixCatalogError, match=rf"prefix_cache.dir {directory}: .*block_tokens 128 -> 64"):
         build_engine_core(load_config(None, overrides + ["scheduler.block_tokens=64"]), lambda outputs: None)
+
+
+def test_a_second_server_on_the_directory_is_refused_until_the_first_lets_go(tmp_path):
+    """The directory lock: two servers on one prefix_cache.dir would hand out the same records."""
+    from engine.prefix_catalog import DirectoryLock, PrefixCatalogError
+
+    first = DirectoryLock(tmp_path)
+    with pytest.raises(PrefixCatalogError, match=f"prefix_cache.dir {tmp_path}: another server is using it"):
+        DirectoryLock(tmp_path)
+    first.release()
+    DirectoryLock(tmp_path).release()

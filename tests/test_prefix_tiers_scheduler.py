@@ -107,12 +107,13 @@ class Worker:
     def finish(self, ticket: int, error: str | None = None) -> None:
         """The asynchronous move `ticket` runs now (or fails); reported with the next step."""
         move = self.out.pop(ticket)
-        failed = error is not None
+        failed, bad_pages = error is not None, None
         if move.kind == "write":
             failed = failed or not self._write(move, torn=failed)
-        else:
-            failed = failed or not self._fetch(move)
-        self.done.append(TierDone(ticket, "failed" if failed else None))
+        elif not failed:
+            bad_pages = self._fetch(move)
+            failed = bad_pages is not None
+        self.done.append(TierDone(ticket, "failed" if failed else None, bad_pages))
 
     def execute(self, plan: StepPlan) -> StepResult:
         by_kind = {kind: [m for m in plan.tier_moves if m.kind == kind] for kind in ("spill", "write", "fetch", "load")}
@@ -180,17 +181,19 @@ class Worker:
             self.disk.pages[target] = ([None] * BT if torn else list(self.host_pages[source]), seal)
         return not torn
 
-    def _fetch(self, move: TierMove) -> bool:
+    def _fetch(self, move: TierMove) -> tuple[int, ...] | None:
         """Verifies every record's seal (a stale or torn one fails the fetch), then fills the host rows;
-        a failed fetch leaves them unusable."""
+        a failed fetch leaves them unusable. None when it verified, else the page records that did not
+        (as the real worker reports them; () when only the slot record failed)."""
         records = [self.disk.slots.get(move.slot[0])] + [self.disk.pages.get(s) for s, _ in move.pages]
-        if any(r is None or r[0] is None or r[1] != seal for r, seal in zip(records, move.seals)):
+        bad = [r is None or r[0] is None or r[1] != seal for r, seal in zip(records, move.seals)]
+        if any(bad):
             self.host_slots[move.slot[1]] = None
-            return False
+            return tuple(source for (source, _), failed in zip(move.pages, bad[1:]) if failed)
         self.host_slots[move.slot[1]] = records[0][0]
         for (source, target), record in zip(move.pages, records[1:]):
             self.host_pages[target] = list(record[0])
-        return True
+        return None
 
 
 def moves_sent(plan: StepPlan) -> bool:
@@ -595,3 +598,27 @@ def test_a_fetch_out_when_a_step_fails_keeps_its_host_rows_until_it_reports():
     worker.auto = 1.0
     serve(worker, NewRequest("again", prompt + [6], params()))  # the disk point is fetched anew and served
     assert scheduler.stats().disk_hit_tokens == 10
+
+
+def test_a_failed_page_record_takes_every_disk_point_holding_it():
+    """A bad page record is shared by the points of one conversation: they all go (a recomputed prefix
+    written through must write that page anew), while a bad slot record is its point's own (the test
+    above: the shorter point survives)."""
+    limits = make_limits(snapshots=1, disk=(4, 16))
+    prompt = tokens(14, seed=32)
+    entries, disk = disk_of([prompt[:6], prompt], limits)
+    long = next(e for e in entries if e.tokens == tuple(prompt))
+    short = next(e for e in entries if e.tokens == tuple(prompt[:6]))
+    shared = long.pages[0]
+    assert shared == short.pages[0]
+    disk.pages[shared] = (disk.pages[shared][0], 54321)  # a stale record of the first page
+    scheduler, worker = restarted(limits, entries, disk)
+    scheduler.add(NewRequest("hit", prompt + tokens(2, seed=33), params()))
+    [fetch] = moves(worker.step(), "fetch")
+    worker.finish(fetch.ticket)
+    worker.step()
+    assert scheduler.stats().fetch_failures == 1
+    assert not [e for e in scheduler.disk_entries() if shared in e.pages]  # both points went
+    worker.auto = 1.0
+    worker.run()
+    assert scheduler.stats().disk_hit_tokens == 0  # recomputed

@@ -130,6 +130,7 @@ class Damage:
     move: TierMove
     where: str  # what the error must name
     why: str
+    bad_pages: tuple[int, ...]  # the page records TierDone names as failed
 
 
 def test_a_damaged_stale_or_unwritten_record_fails_its_fetch(models, tmp_path):
@@ -146,14 +147,17 @@ def test_a_damaged_stale_or_unwritten_record_fails_its_fetch(models, tmp_path):
         pages_file.write(bytes([byte ^ 0x10]))
     before = host_rows(runner)
     cases = [
-        Damage(TierMove("fetch", (0, 1), ((0, 3), (1, 4)), SEALS[:3], ticket=2), "pages.bin record 1", "checksum mismatch"),
-        Damage(TierMove("fetch", (0, 1), ((0, 3),), (0xBAD, SEALS[1]), ticket=3), "slots.bin record 0 (page 0)", "stale seal 0x5ea10001"),
-        Damage(TierMove("fetch", (2, 1), (), (SEALS[0],), ticket=4), "slots.bin record 2", "never written"),
+        Damage(TierMove("fetch", (0, 1), ((0, 3), (1, 4)), SEALS[:3], ticket=2), "pages.bin record 1", "checksum mismatch",
+               (1,)),
+        Damage(TierMove("fetch", (0, 1), ((0, 3),), (0xBAD, SEALS[1]), ticket=3), "slots.bin record 0 (page 0)",
+               "stale seal 0x5ea10001", ()),
+        Damage(TierMove("fetch", (2, 1), (), (SEALS[0],), ticket=4), "slots.bin record 2", "never written", ()),
     ]
     for case in cases:
         moves(runner, case.move)
         done = finish(runner, case.move.ticket)
         assert done.error is not None and case.where in done.error and case.why in done.error, done.error
+        assert done.bad_pages == case.bad_pages  # the page records that failed, for the scheduler to drop
         assert str(tmp_path / "rank0") in done.error
     assert all(torch.equal(a, b) for a, b in zip(before, host_rows(runner)))  # no row of a failed fetch was written
     moves(runner, TierMove("fetch", (0, 1), ((0, 3), (2, 4)), (SEALS[0], SEALS[1], SEALS[3]), ticket=5))

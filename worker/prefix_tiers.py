@@ -374,20 +374,20 @@ class DiskTier:
                              f" {len(move.pages)} pages, not {move.seals}")
 
     # -- the threads -----------------------------------------------------------------------------
-    def _serve(self, jobs: queue.SimpleQueue, work: Callable[[_Job], str | None]) -> None:
+    def _serve(self, jobs: queue.SimpleQueue, work: Callable[[_Job], TierDone]) -> None:
         while (job := jobs.get()) is not None:
             try:
-                error = work(job)
+                done = work(job)
             except Exception as exc:  # reported, never a dead thread the scheduler would wait on forever
                 log.exception("prefix disk tier: %s (ticket %d) failed", job.move.kind, job.move.ticket)
-                error = f"prefix disk tier: {job.move.kind} failed: {type(exc).__name__}: {exc}"
-            self.completions.put(TierDone(job.move.ticket, error))
+                done = TierDone(job.move.ticket, f"prefix disk tier: {job.move.kind} failed: {type(exc).__name__}: {exc}")
+            self.completions.put(done)
 
     def _records(self, move: TierMove) -> list[tuple[RecordFile, list[tuple[int, int]], tuple[int, ...]]]:
         """(file, (source, target) rows, seals) of a move's slot record and page records."""
         return [(self.files[0], [move.slot], move.seals[:1]), (self.files[1], list(move.pages), move.seals[1:])]
 
-    def _write(self, job: _Job) -> str | None:
+    def _write(self, job: _Job) -> TierDone:
         """Waits for the spills to land in host memory, then writes each record."""
         if job.ready is not None:
             job.ready.synchronize()
@@ -399,10 +399,10 @@ class DiskTier:
                 try:
                     file.write(record, payload, seal, self._buffer)
                 except OSError as exc:
-                    return f"prefix disk tier: writing {file.path} record {record}: {exc}"
-        return None
+                    return TierDone(job.move.ticket, f"prefix disk tier: writing {file.path} record {record}: {exc}")
+        return TierDone(job.move.ticket)
 
-    def _fetch(self, job: _Job) -> str | None:
+    def _fetch(self, job: _Job) -> TierDone:
         """Every page of the move in one read_pages call; the host rows only once all verified, and (on
         CUDA) once no load queued before the move still reads them."""
         records = self._records(job.move)
@@ -418,7 +418,10 @@ class DiskTier:
             position = min(failed)
             file_index, page_no = keys[position]
             more = f" ({len(failed)} pages failed)" if len(failed) > 1 else ""
-            return f"prefix disk tier: {self.files[file_index].where(page_no)}: {failed[position]}{more}"
+            pages_file = self.files[1]
+            bad = sorted({keys[i][1] // pages_file.pages for i in failed if keys[i][0] == 1})
+            return TierDone(job.move.ticket, f"prefix disk tier: {self.files[file_index].where(page_no)}:"
+                            f" {failed[position]}{more}", tuple(bad))
         if job.ready is not None:
             job.ready.synchronize()
         start = 0
@@ -427,7 +430,7 @@ class DiskTier:
             if pairs:
                 file.store(pages[start:end], [target for _, target in pairs])
             start = end
-        return None
+        return TierDone(job.move.ticket)
 
 
 def _close_at_exit(tier: weakref.ref[DiskTier]) -> None:
@@ -475,5 +478,7 @@ class Tickets:
                 del self.in_flight[ticket]
                 if failures and completion.error is None:
                     completion = TierDone(ticket, "the move failed on another tensor-parallel rank")
+                elif failures:  # which records failed on the other ranks is not known here
+                    completion = TierDone(ticket, completion.error)
                 out.append(completion)
         return tuple(out)
