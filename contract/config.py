@@ -180,7 +180,7 @@ class PrefixCacheSection(Section):
     own, beside memory.host_memory_gb; `python -m server plan` shows what they hold."""
 
     host_gb: float = Field(default=0.0, ge=0)  # pinned host RAM of the host tier, all ranks together (0: off)
-    disk_gb: float = Field(default=0.0, ge=0)  # NVMe of the disk tier (0: off); needs host_gb and one rank
+    disk_gb: float = Field(default=0.0, ge=0)  # NVMe of the disk tier, all ranks together (0: off); needs host_gb
     dir: str | None = None  # the disk tier's files and catalog (required with disk_gb > 0; created if missing)
 
 
@@ -306,10 +306,6 @@ def _prefix_cache_problems(config: ServeConfig, set_by_flag: dict[str, str]) -> 
         if tiers.host_gb == 0:
             problems.append("prefix_cache.disk_gb: the disk tier is written through the host tier; set"
                             " prefix_cache.host_gb > 0 too")
-        if config.parallel.tensor_parallel_size > 1:
-            tp = _flagged("parallel.tensor_parallel_size", set_by_flag)
-            problems.append(f"prefix_cache.disk_gb: the disk tier is not supported with {tp}"
-                            f" {config.parallel.tensor_parallel_size} yet (one rank only); set it to 0")
     if (tiers.host_gb > 0 or tiers.disk_gb > 0) and not config.scheduler.enable_prefix_caching:
         key = "prefix_cache.host_gb" if tiers.host_gb > 0 else "prefix_cache.disk_gb"
         problems.append(f"{key}: the tiers keep the prefix cache's state points, and"

@@ -16,9 +16,11 @@ class ModelExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; raising fails the step's requests, not the engine."""
 
-    def maintain(self) -> None:
-        """Called on the engine thread between steps: repair what broke (restart failed ranks). Raising
-        ends the engine (a fault it cannot recover from)."""
+    def maintain(self) -> bool:
+        """Called on the engine thread between steps: repair what broke (restart failed ranks). True when
+        it rebuilt the model state (every slot, snapshot and prefix-tier row is empty again), so the
+        engine fails what ran and forgets its prefix points. Raising ends the engine (a fault it cannot
+        recover from)."""
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: drop work queued for it (Engram prefetch hints)."""

@@ -162,8 +162,14 @@ class EngineCore:
             self.catalog.offer(self.scheduler.disk_version, self.scheduler.disk_entries, final=final)
 
     def _maintain(self) -> None:
-        """Lets the executor repair itself between steps (restart a failed tensor-parallel pool)."""
-        self.executor.maintain()
+        """Lets the executor repair itself between steps (restart a failed tensor-parallel pool). A repair
+        that rebuilt the model state (a watchdog can restart an idle pool, before any step fails) fails
+        what ran on the old state and drops every prefix point, whose snapshots and rows are gone: a
+        later hit would otherwise restore zeros."""
+        if self.executor.maintain():
+            outputs = self.scheduler.fail_all("the tensor-parallel ranks restarted: their cache state was lost")
+            self._release_grammars(outputs)
+            self._emit(outputs)
 
     def _emit(self, outputs: Sequence[RequestOutput]) -> None:
         if outputs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -89,3 +90,45 @@ def test_abort_frees_the_slot(model):
     assert output.finished and output.finish_reason == "abort"
     assert [c.request_id for c in scheduler.schedule().chunks] == ["b"]
     scheduler.check_integrity()
+
+
+class RebuiltRunner(ModelRunner):
+    """A runner whose state is rebuilt once on request (as a tensor-parallel pool's watchdog restart
+    does to an idle engine): its cache is zeroed and maintain() says so."""
+
+    rebuild = False
+
+    def maintain(self) -> bool:
+        if not self.rebuild:
+            return False
+        self.rebuild = False
+        for tensor in self.cache.tensors():
+            tensor.zero_()
+        return True
+
+
+def test_a_rebuilt_executor_drops_the_prefix_points_its_old_state_held(model):
+    """After a rebuild no hit may restore the zeroed snapshots: the follow-up recomputes and gives the
+    tokens of a run that never had a cache."""
+    limits = EngineLimits(2, 64, 256, model.config.vocab_size, model.config.eos_token_ids, prefix_snapshots=4)
+    runner = RebuiltRunner(model, 2, 256, num_pages=limits.total_pages, block_tokens=limits.block_tokens,
+                           snapshot_slots=4)
+    prompt = random_tokens(40, seed=5)
+    collector = Collector(3)
+    engine = EngineCore(Scheduler(limits), runner, collector)
+    engine.start()
+    engine.submit(NewRequest("first", prompt, greedy(4)))
+    while not collector.finished:
+        time.sleep(0.01)
+    assert engine.scheduler.stats().prefix_points > 0
+    runner.rebuild = True
+    deadline = time.monotonic() + 10
+    while engine.scheduler.stats().prefix_points and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.scheduler.stats().prefix_points == 0
+    engine.submit(NewRequest("again", prompt + [7], greedy(4)))
+    engine.submit(NewRequest("cold", prompt + [7], greedy(4), cache_salt="other"))
+    assert collector.done.wait(60)
+    engine.stop()
+    assert collector.tokens("again") == collector.tokens("cold")
+    assert engine.scheduler.stats().prefix_hit_tokens == 0

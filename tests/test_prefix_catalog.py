@@ -62,8 +62,6 @@ def config_file(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize("yaml_text, key, words", [
     ("prefix_cache: {host_gb: 1, disk_gb: 2}", "prefix_cache.dir", "required"),
     ("prefix_cache: {disk_gb: 2, dir: /tmp/x}", "prefix_cache.disk_gb", "through the host tier"),
-    ("prefix_cache: {host_gb: 1, disk_gb: 2, dir: /tmp/x}\nparallel: {tensor_parallel_size: 2}",
-     "prefix_cache.disk_gb", "not supported with parallel.tensor_parallel_size 2 yet"),
     ("prefix_cache: {host_gb: 1}\nscheduler: {enable_prefix_caching: false}", "prefix_cache.host_gb",
      "scheduler.enable_prefix_caching is false"),
     ("prefix_cache: {disk_gb: 1, host_gb: 0, dir: /x}\nscheduler: {enable_prefix_caching: false}",

@@ -350,8 +350,9 @@ class ModelRunner:
         if memory is not None:
             memory.cancel(request_id)
 
-    def maintain(self) -> None:
+    def maintain(self) -> bool:
         """One runner has nothing to repair between steps."""
+        return False
 
     def health(self) -> str | None:
         return None

@@ -16,7 +16,9 @@ collective fail after `parallel.timeout_s`. Either way the step in flight fails 
 reason (EngineCore), the engine reports itself unhealthy (EngineStats.unhealthy, so /health answers
 503), and `maintain()` on the engine thread restarts the pool: kills the ranks, starts new ones and
 rebuilds rank 0's runner with the same page count, so the scheduler's arithmetic still holds (or,
-with `parallel.on_rank_failure: exit`, raises, which ends the engine process non-zero). `close()`
+with `parallel.on_rank_failure: exit`, raises, which ends the engine process non-zero). The prefix disk
+tier's moves the old ranks had in flight are lost with them: the next step reports each one failed, so
+the scheduler frees the host and disk records they pinned instead of waiting for them forever. `close()`
 stops every rank, so no process outlives the engine.
 """
 
@@ -27,6 +29,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from contract import EngramStats, StepPlan, StepResult
+from contract import EngramStats, StepPlan, StepResult, TierDone
 from contract.codec import decode_plan, encode_plan
 from contract.launch_env import external_rank, launched_externally
 
@@ -161,6 +164,7 @@ class WorkerPool:
         self._generation = 0  # a watchdog only reports deaths of its own generation of ranks
         self._watchdog: threading.Thread | None = None
         self._closing = threading.Event()
+        self._lost: tuple[TierDone, ...] = ()  # disk tier moves a restart lost, reported with the next step
         self.runner, self.memory_plan = self._start(num_pages=None)
 
     @property
@@ -215,17 +219,26 @@ class WorkerPool:
         if self.channel is not None:
             try:
                 self.channel.send(plan)
-                return self.runner.execute(plan)
+                result = self.runner.execute(plan)
             except RuntimeError as exc:  # a collective failed: a peer died or timed out
                 self._dead = self._dead or f"tensor-parallel step failed: {exc}"
                 self.unhealthy = self._dead
                 raise RankFailure(self._dead) from exc
+            return self._with_lost(result)
         return self.runner.execute(plan)
 
-    def maintain(self) -> None:
-        """Called by the engine thread between steps: restarts the pool after a rank failure."""
+    def _with_lost(self, result: StepResult) -> StepResult:
+        """The step's result with the moves the last restart lost reported failed (once)."""
+        if not self._lost:
+            return result
+        lost, self._lost = self._lost, ()
+        return replace(result, tier_done=lost + result.tier_done)
+
+    def maintain(self) -> bool:
+        """Called by the engine thread between steps: restarts the pool after a rank failure (True: the
+        new ranks' caches and prefix-tier rows are empty)."""
         if self._dead is None:
-            return
+            return False
         if self.config.parallel.on_rank_failure == "exit" or self.external:
             why = "the launcher owns the ranks" if self.external else "parallel.on_rank_failure is 'exit'"
             raise RankFailure(f"{self._dead}; {why}")
@@ -233,6 +246,8 @@ class WorkerPool:
         self.unhealthy = f"restarting the tensor-parallel pool after: {reason}"
         started = time.monotonic()
         num_pages = self.num_pages
+        self._lost += tuple(TierDone(ticket, f"the prefix disk tier's move was lost with the tensor-parallel ranks:"
+                                      f" {reason}") for ticket in self.runner.tickets.in_flight)
         self._stop_ranks(graceful=False)
         self.runner.close()
         self.runner = None  # the old cache and weights go before the new ones are built (stats read it: see engram_stats)
@@ -240,6 +255,7 @@ class WorkerPool:
         self.restarts += 1
         self.unhealthy = None
         log.warning("tensor-parallel pool restarted in %.1f s after: %s", time.monotonic() - started, reason)
+        return True
 
     def cancel(self, request_id: str) -> None:
         """An aborted request: rank 0 drops its pending Engram prefetches (none during a restart)."""
