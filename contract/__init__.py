@@ -5,7 +5,7 @@ The bottom of the project: imports no other project package (import-linter check
 folder may import it, and the HTTP process can talk to the engine without loading torch.
 """
 
-from contract.executor import ModelExecutor
+from contract.executor import DoneStep, LaunchedStep, ModelExecutor
 from contract.limits import EngineLimits, PrefixTierLimits, RequestRejected, validate_request
 from contract.messages import (
     Abort,
@@ -20,13 +20,26 @@ from contract.messages import (
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 from contract.stats import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, StepTokens
-from contract.step import TIER_MOVES, ChunkResult, ScheduledChunk, StateCopy, StepPlan, StepResult, TierDone, TierMove
+from contract.step import (
+    PENDING_TOKEN,
+    TIER_MOVES,
+    ChunkResult,
+    ScheduledChunk,
+    StateCopy,
+    StepPlan,
+    StepResult,
+    TierDone,
+    TierMove,
+)
 from contract.structured import StructuredOutput
 
 __all__ = [
     "PREFETCH_WAIT_BUCKETS",
     "STEP_TOKEN_BUCKETS",
     "TIER_MOVES",
+    "PENDING_TOKEN",
+    "DoneStep",
+    "LaunchedStep",
     "Abort",
     "CheckGrammar",
     "ChunkResult",

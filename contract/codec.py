@@ -136,4 +136,5 @@ def decode_plan(frame: bytes) -> StepPlan:
         page_copies=_tuples(body["page_copies"]),
         tier_moves=tuple(TierMove(**_fields(move)) for move in body["tier_moves"]),
         tickets_out=body["tickets_out"],
+        draw_seed=body["draw_seed"],
     )

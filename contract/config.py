@@ -42,6 +42,17 @@ class ModelSection(Section):
     # weights kept as the checkpoint stores them (the GPU fast path, issue 8: `plan` counts them so, serving
     # refuses it until then)
     quantization: Literal["none", "checkpoint"] = "none"
+    # auto: the checkpoint's *.safetensors. dummy (vLLM's --load-format dummy): seeded random weights at
+    # config.json's dims, drawn on the device (models/dummy_weights.py), so a directory with config.json
+    # (and a tokenizer) is enough; held as `quantization` says (checkpoint: the release's MXFP4 experts and
+    # FP8 linears, as a released checkpoint is held), with V4.1's Engram tables of the configured size
+    # (for disk residency written once as table files into engram.path, default <model.path>/engram)
+    load_format: Literal["auto", "dummy"] = "auto"
+    seed: int = Field(default=0, ge=0)  # the dummy weights' seed (same seed, same device type: same weights)
+    # vLLM's --tokenizer: a directory with tokenizer.json (and tokenizer_config.json, for the chat template);
+    # None: model.path's, or with load_format dummy and none there, the embedded default's (checkpoints/tiny)
+    # when its vocabulary is the model's (contract/model_files.py)
+    tokenizer: str | None = None
 
     @field_validator("served_name", mode="before")
     @classmethod
@@ -96,6 +107,9 @@ class SchedulerSection(Section):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     block_tokens: int = Field(default=128, gt=0)
     enable_prefix_caching: bool = True
+    # overlapped scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): step N+1 is planned
+    # while step N runs, its decode inputs taken from step N's draws on the device (docs/overlap.md)
+    async_scheduling: bool = True
     # state points the prefix cache keeps (each a copy of one slot's fixed state); None: 4 per sequence
     prefix_snapshots: int | None = Field(default=None, ge=0)
 
@@ -150,7 +164,8 @@ class EngramLayerSection(Section):
 
 class EngramSection(Section):
     residency: EngramResidency = "host"  # every Engram layer, unless `layers` says otherwise
-    path: str | None = None  # table files for disk residency (default: <model>/engram, converted on first use)
+    # table files for disk residency (default: <model>/engram, converted on first use; drawn for dummy weights)
+    path: str | None = None
     host_cache_gb: float = Field(default=4.0, ge=0)  # host row cache in front of disk tables
     gpu_cache_gb: float = Field(default=0.0, ge=0)  # device row cache in front of the host one
     queue_depth: int = Field(default=64, gt=0)  # io_uring reads in flight
@@ -227,6 +242,8 @@ FLAG_KEYS = {
     "served_model_name": "model.served_name",
     "max_model_len": "model.max_model_len",
     "dtype": "model.dtype",
+    "load_format": "model.load_format",
+    "tokenizer": "model.tokenizer",
     "host": "server.host",
     "port": "server.port",
     "log_format": "server.log_format",
@@ -235,6 +252,7 @@ FLAG_KEYS = {
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "block_size": "scheduler.block_tokens",
     "enable_prefix_caching": "scheduler.enable_prefix_caching",
+    "async_scheduling": "scheduler.async_scheduling",
     "gpu_memory_utilization": "memory.gpu_memory_utilization",
     "kv_cache_dtype": "memory.kv_cache_dtype",
     "kv_offload": "offload.kv",

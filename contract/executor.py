@@ -6,15 +6,41 @@ nothing to maintain or cancel implements those as no-ops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from contract.stats import EngramStats
 from contract.step import StepPlan, StepResult
 
 
+class LaunchedStep(Protocol):
+    def result(self) -> StepResult:
+        """Waits for the step's results on the host; raising fails the step's requests, not the engine."""
+
+
+@dataclass(frozen=True)
+class DoneStep:
+    """A step that ran to its end when it was launched (an executor that does not overlap steps)."""
+
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value
+
+
 class ModelExecutor(Protocol):
+    # whether a decode chunk's input may be PENDING_TOKEN (the draw of the step launched before it,
+    # resolved on the device): the engine then plans step N+1 while step N runs (overlapped scheduling)
+    pending_inputs: bool
+
     def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step; raising fails the step's requests, not the engine."""
+        """Runs one step to its end; raising fails the step's requests, not the engine."""
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Starts one step and returns as soon as it is queued (a GPU executor: before its tokens reach
+        the host), so the engine plans the next one meanwhile. Steps run in launch order; the engine
+        calls each step's `result()` once, in order, and has at most two steps out. Raising fails the
+        step's requests."""
 
     def maintain(self) -> bool:
         """Called on the engine thread between steps: repair what broke (restart failed ranks). True when

@@ -12,13 +12,18 @@ from dataclasses import dataclass
 
 from contract.sampling import SamplingParams, TokenLogprob
 
+# the input of a decode chunk planned while the step that draws it still runs (overlapped scheduling):
+# the token this request's sampling chunk of the previous plan draws, which the worker takes from that
+# step's draw on the device (only an executor with `pending_inputs` is given such chunks)
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     request_id: str
     slot: int
     pages: tuple[int, ...]  # the sequence's block table (covers position + len(token_ids))
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # a one-token decode chunk's may be (PENDING_TOKEN,)
     position: int  # tokens of this sequence already in the cache
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     # echo: the prompt tokens that follow each chunk row (row i predicts logprob_targets[i]); empty if not asked
@@ -92,6 +97,9 @@ class StepPlan:
     # asynchronous tier moves still out (their TierDone not seen yet): a plan with no other work then
     # lets the worker wait briefly for completions instead of returning at once
     tickets_out: int = 0
+    # seeds the step's unseeded draws, so that every tensor-parallel rank draws the same tokens (each
+    # rank feeds its own draws to the next step's PENDING_TOKEN inputs)
+    draw_seed: int = 0
 
     @property
     def has_work(self) -> bool:

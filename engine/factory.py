@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from contract import EngineLimits, ModelFacts, PrefixTierLimits
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
+from contract.model_files import TOKENIZER, borrows_default_tokenizer, tokenizer_dir
 from engine.admission import MemoryPlan, plan_pages
 from engine.loop import EngineCore, OutputSink
 from engine.memory_plan import (
@@ -46,6 +47,7 @@ from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
 from models import SINGLE, ModelCache, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
+from models.dummy_weights import build_dummy_model
 from models.host_tier import HostTierSpec
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
@@ -129,8 +131,10 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     With the prefix cache's disk tier, its catalog is read (and a foreign one refused) before the model
     loads, and seeds the scheduler."""
     ensure_default_model(config.model_dir)
+    ensure_default_model(tokenizer_dir(config))  # a dummy directory may borrow the default's tokenizer
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
+    check_tokenizer(config, model_config)
     check_block_tokens(config, model_config)
     check_kv_cache_dtype(config, model_config)
     device = resolve_device(config)
@@ -151,11 +155,12 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
         prefix_snapshots=sched.snapshot_slots,
         prefix_tiers=tiers,
     )
-    vocabulary = GrammarVocabulary(config.model_dir / "tokenizer.json", model_config.vocab_size,
+    vocabulary = GrammarVocabulary(tokenizer_dir(config) / TOKENIZER, model_config.vocab_size,
                                    model_config.eos_token_ids, model_config.model_type)
     scheduler = Scheduler(limits)
     catalog = seed_disk_tier(scheduler, tiers, prefix_dir(config), *disk) if disk is not None else None
-    engine = EngineCore(scheduler, pool, on_outputs, StructuredOutputs(vocabulary), catalog)
+    engine = EngineCore(scheduler, pool, on_outputs, StructuredOutputs(vocabulary), catalog,
+                        overlap=config.scheduler.async_scheduling)
     dtype_name = str(dtype).removeprefix("torch.")
     log.info("engine for %s on %s (%s), %d rank(s)", config.model_dir, device, dtype_name, pool.world)
     return engine, EngineSpec(max_model_len=max_len, device=device, dtype=dtype_name, memory=pool.memory_plan,
@@ -165,6 +170,23 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
 def serve_external_rank(config: "ServeConfig") -> int:
     """`python -m server` as rank >= 1 under torchrun: this rank's runner, fed by rank 0's plans."""
     return external_rank_main(config, partial(build_runner, config), resolve_device(config))
+
+
+def check_tokenizer(config: "ServeConfig", model_config: ModelConfig) -> None:
+    """A dummy directory without a tokenizer borrows the embedded default's only if its vocabulary is the
+    model's: every id the model can sample decodes, and every id the tokenizer makes has an embedding."""
+    if not borrows_default_tokenizer(config):
+        return
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / TOKENIZER)).get_vocab_size(with_added_tokens=True)
+    if size != model_config.vocab_size:
+        raise EngineConfigError(
+            f"model.load_format dummy: {config.model_dir} has no {TOKENIZER}, and the embedded default's tokenizer"
+            f" ({size} tokens) does not fit this model's vocab_size {model_config.vocab_size}; give the model's"
+            f" tokenizer with --tokenizer DIR (model.tokenizer), or copy its {TOKENIZER} into {config.model_dir}")
+    log.info("model.load_format dummy: %s has no %s; using the embedded default's (%s)", config.model_dir,
+             TOKENIZER, DEFAULT_MODEL_DIR)
 
 
 def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None:
@@ -242,6 +264,7 @@ def catalog_fingerprint(config: "ServeConfig", model_config: ModelConfig, record
     rounding, as any two batch shapes do)."""
     return Fingerprint.of({
         **checkpoint_parts(config.model_dir),
+        **weight_parts(config),
         "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": stored_kv_cache_dtype(model_config, cache_dtype(config)),
         "block_tokens": str(config.scheduler.block_tokens),
@@ -250,6 +273,21 @@ def catalog_fingerprint(config: "ServeConfig", model_config: ModelConfig, record
         "record tensors": digest("\n".join(records.tensors).encode()),
         "tensor_parallel_size": str(config.parallel.tensor_parallel_size),
     })
+
+
+def weight_parts(config: "ServeConfig") -> dict[str, str]:
+    """The fingerprint's parts beside the checkpoint's files: for dummy weights what draws them (the
+    seed, the generator's device type, and the format: released weights are rounded), and a tokenizer from
+    elsewhere (V4.1's Engram hashing reads it). None for a checkpoint served with its own tokenizer, so
+    the catalogs written before these parts existed stay valid."""
+    parts = {}
+    if config.model.load_format == "dummy":
+        parts = {"load_format": "dummy", "seed": str(config.model.seed), "generator": resolve_device(config),
+                 "quantization": config.model.quantization}
+    source = tokenizer_dir(config)
+    if source != config.model_dir:
+        parts[TOKENIZER] = digest((source / TOKENIZER).read_bytes())
+    return parts
 
 
 def read_disk_catalog(config: "ServeConfig", model_config: ModelConfig, records: RecordLayout,
@@ -306,8 +344,7 @@ def build_runner(
     converts_first = plan_group is not None and any(RESIDENCIES[r].reads_files for r in options.residencies())
     if converts_first and tp.rank != 0:
         dist.barrier(group=plan_group)
-    model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp or SINGLE,
-                       keep_quantized=config.model.quantization == "checkpoint")
+    model = load_weights(config, dtype, device, options, tp or SINGLE)
     if converts_first and tp.rank == 0:
         dist.barrier(group=plan_group)
     sched = config.scheduler
@@ -329,6 +366,18 @@ def build_runner(
         prefix_tiers=tiers, prefix_dir=prefix_dir(config), rank=tp.rank if tp is not None else 0,
     )
     return runner, memory_plan
+
+
+def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options: EngramOptions,
+                 tp: TensorParallel) -> torch.nn.Module:
+    """This rank's model: read from the checkpoint (model.load_format auto) or drawn (dummy), held as
+    model.quantization says."""
+    held_as_stored = config.model.quantization == "checkpoint"
+    if config.model.load_format == "dummy":
+        return build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
+                                 engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config))
+    return load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp,
+                      keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config))
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:

@@ -10,6 +10,14 @@ StructuredOutputs (engine/structured_outputs.py; injected, like the executor): b
 every drawing constrained chunk gets its grammar's token bitmask, after it the matchers take the
 tokens the scheduler kept. A grammar that cannot be used fails its request alone.
 
+Overlapped scheduling (`overlap`, the config's `scheduler.async_scheduling`; docs/overlap.md): each
+step launches the next plan before it lands the one in flight, so the host's planning, output and
+inbox work runs while the device computes. The scheduler gives the new plan's decodes the draws of the
+step in flight as PENDING_TOKEN inputs when the executor resolves them (`pending_inputs`); outputs,
+stop checks and grammar matching follow one step late. A step that fails to launch or to land lands
+everything before anything else is planned (a failed step's draws cannot feed another), and the
+executor is repaired only while no step is in flight. Without `overlap` a step lands at once.
+
 With the prefix cache's disk tier, the loop hands the scheduler's committed disk entries to the
 catalog's writer (engine/prefix_catalog.py) when its disk_version moved: at most once a second, and a
 last time as the loop ends. The writer encodes and writes them on a thread of its own, so a step never
@@ -27,11 +35,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from contract import (
     ChunkResult,
     EngineStats,
+    LaunchedStep,
     ModelExecutor,
     NewRequest,
     RequestOutput,
@@ -54,11 +64,24 @@ OutputSink = Callable[[Sequence[RequestOutput]], None]  # called once per step w
 FLUSH_S = 8.0
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A launched step: its plan, its handle, and the requests whose grammar failed as it was planned."""
+
+    plan: StepPlan
+    step: LaunchedStep | None  # None: the launch itself raised `error`
+    grammar_errors: dict[str, str]
+    error: Exception | None = None
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor, on_outputs: OutputSink,
                  structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None,
-                 flush_s: float = FLUSH_S) -> None:
+                 flush_s: float = FLUSH_S, overlap: bool = False) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
+        self.overlap = overlap
+        scheduler.pending_inputs = overlap and executor.pending_inputs
+        self._in_flight: InFlight | None = None  # the step launched and not landed yet (overlap only)
         self.structured = structured  # None: constrained requests are refused
         self.catalog = catalog  # None: no prefix disk tier
         self.flush_s = flush_s
@@ -122,11 +145,13 @@ class EngineCore:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._maintain()
-                self._drain_inbox(block=not self.scheduler.has_work)
-                if self.scheduler.has_work:
+                if self._in_flight is None:  # never under a running step
+                    self._maintain()
+                self._drain_inbox(block=not self.scheduler.has_work and self._in_flight is None)
+                if self.scheduler.has_work or self._in_flight is not None:
                     self.step()
                 self._persist()  # idle too: a change the rate limit held back is written within a second
+            self._land_in_flight()
             self._flush()
         except Exception as exc:  # the loop cannot go on (e.g. a rank failed and the config says exit)
             log.exception("the engine loop stopped")
@@ -206,26 +231,53 @@ class EngineCore:
         self.scheduler.add(request)
 
     def step(self) -> None:
+        """Plans and launches the next step, then lands the one in flight before it (overlap), or lands
+        the new one at once. After a failure everything lands and the executor is repaired first."""
+        launched = self._launch() if self.scheduler.has_work else None
+        previous, self._in_flight = self._in_flight, launched
+        ok = self._land(previous) if previous is not None else True
+        if launched is not None and (not self.overlap or not ok or launched.step is None):
+            self._in_flight = None
+            ok = self._land(launched) and ok
+        if not ok:
+            self._maintain()  # e.g. a pool whose rank died restarts before the next step
+        if not self.scheduler.has_work and self._in_flight is None:
+            self.scheduler.check_integrity()
+
+    def _launch(self) -> InFlight | None:
         plan = self.scheduler.schedule()
         if not plan.has_work:
-            return
+            return None
         if plan.num_tokens:  # a step of state copies only runs no tokens
             self.step_tokens = self.step_tokens.observe(plan.num_tokens)
         plan, grammar_errors = self._constrain(plan)
         try:
-            result = self.executor.execute(plan)
-        except Exception as exc:  # a failing step fails its requests, not the engine
+            return InFlight(plan, self.executor.launch(plan), grammar_errors)
+        except Exception as exc:  # a failing step fails its requests, not the engine (as it lands)
+            return InFlight(plan, None, grammar_errors, exc)
+
+    def _land(self, launched: InFlight) -> bool:
+        """Applies a launched step's results (or its failure) and sends its outputs; False if it failed."""
+        try:
+            if launched.step is None:
+                assert launched.error is not None
+                raise launched.error
+            result = launched.step.result()
+        except Exception as exc:
             log.exception("step failed")
-            outputs, failed = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), True
+            outputs, ok = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), False
         else:
-            outputs, failed = self.scheduler.update(plan, _failing(result, grammar_errors)), False
+            outputs, ok = self.scheduler.update(launched.plan, _failing(result, launched.grammar_errors)), True
         self.steps += 1
         self._match(outputs)
         self._emit(outputs)
-        if failed:
-            self._maintain()  # e.g. a pool whose rank died restarts before the next step
-        if not self.scheduler.has_work:
-            self.scheduler.check_integrity()
+        return ok
+
+    def _land_in_flight(self) -> None:
+        """The step still out lands (as the loop stops, before the flush runs steps of its own)."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._land(launched)
 
     def _constrain(self, plan: StepPlan) -> tuple[StepPlan, dict[str, str]]:
         """Each drawing constrained chunk with its grammar's bitmask; the requests whose grammar

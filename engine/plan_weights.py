@@ -8,8 +8,11 @@ follow the format the server holds it in (`model.quantization`):
 - checkpoint: as the release stores it, per config.json's `quantization_config`: routed experts MXFP4
   (`expert_dtype` fp4: E2M1 pairs plus one ue8m0 scale per 32) or FP8; the attention projections, the
   shared expert and Engram's wkv FP8 e4m3 with one scale per `weight_block_size` block (ue8m0: 1 byte,
-  else float32); everything else as `none` holds it. That split reproduces the published V4.1-Flash
-  safetensors headers group by group (tests/test_deploy_plan.py).
+  else float32); everything else as `none` holds it (models/released_format.py lists which). That split
+  reproduces the published V4.1-Flash safetensors headers group by group (tests/test_deploy_plan.py).
+  Dummy weights (`model.load_format: dummy`) are counted the same, from config.json alone: there are no
+  files to read; a config.json without quantization_config counts the release's defaults (`RELEASED`:
+  128 x 128 blocks, MXFP4 experts), which is what dummy weights in the released format then hold.
 Engram tables are not weights here: they live in their own tiers (engine/plan.py).
 
 Across tensor-parallel ranks, the sharding of issue 9: routed experts (expert parallel), the q / o
@@ -26,12 +29,14 @@ from typing import Any
 
 import torch
 
+from kernels.quant import FP8_BLOCK
 from models.config import ConfigError, ModelConfig
 from models.loader import (
     _target_dtype,  # the loader's own dtype rule, so both count the same bytes
 )
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.released_format import stored_fp8
 
 # (kind, name fragments), first match wins; names are transformers' module names (models/).
 KINDS = (
@@ -44,8 +49,6 @@ KINDS = (
     ("embedding / head", ("embed_tokens.", "lm_head.")),
     ("norms / mHC", ("",)),
 )
-ATTENTION_PROJECTIONS = tuple(f".self_attn.{p}_proj.weight" for p in ("q_a", "q_b", "kv", "o_a", "o_b"))
-FP8_STORED = ATTENTION_PROJECTIONS + (".mlp.shared_experts.", ".engram.wkv.weight")
 SHARDED = (".mlp.experts.", ".self_attn.q_b_proj.", ".self_attn.o_a_proj.", ".self_attn.o_b_proj.",
            ".mlp.shared_experts.", "embed_tokens.", "lm_head.")
 MX_BLOCK = 32  # MXFP4: one power-of-two scale per 32 values
@@ -60,10 +63,11 @@ class StoredFormat:
     experts: str  # "fp4", "fp8" or "dense" (as the other weights)
 
     @classmethod
-    def of(cls, raw: dict[str, Any], where: Path) -> StoredFormat:
+    def of(cls, raw: dict[str, Any], where: Path, default: StoredFormat | None = None) -> StoredFormat:
+        """`default`: the format without a quantization_config (None: every weight dense)."""
         quant = raw.get("quantization_config")
         if quant is None:
-            return cls(None, 4, "dense")
+            return default or cls(None, 4, "dense")
         if quant.get("quant_method") != "fp8":
             raise ConfigError(f"{where}: quantization_config.quant_method {quant.get('quant_method')!r} is not 'fp8'")
         block = tuple(quant.get("weight_block_size") or (128, 128))
@@ -72,6 +76,9 @@ class StoredFormat:
             raise ConfigError(f"{where}: quantization_config: weight_block_size {list(block)} / expert_dtype"
                               f" {expert_dtype!r} (expected two block sides and fp4 or fp8)")
         return cls((int(block[0]), int(block[1])), 1 if quant.get("scale_fmt") == "ue8m0" else 4, expert_dtype)
+
+
+RELEASED = StoredFormat((FP8_BLOCK, FP8_BLOCK), 1, "fp4")  # the release's defaults (V4-Flash's)
 
 
 @dataclass(frozen=True)
@@ -106,17 +113,21 @@ def stored_bytes(name: str, tensor: torch.Tensor, fmt: StoredFormat, dtype: torc
     """Bytes of one parameter as the checkpoint stores it."""
     if fmt.experts == "fp4" and ".mlp.experts." in name:
         return tensor.numel() // 2 + tensor.numel() // MX_BLOCK
-    if fmt.fp8_block and (".mlp.experts." in name or any(f in name for f in FP8_STORED)) and tensor.dim() >= 2:
+    if fmt.fp8_block and (".mlp.experts." in name or stored_fp8(name)) and tensor.dim() >= 2:
         rows, cols = tensor.shape[-2:]
         blocks = -(-rows // fmt.fp8_block[0]) * -(-cols // fmt.fp8_block[1])
         return tensor.numel() + tensor.numel() // (rows * cols) * blocks * fmt.scale_bytes
     return tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
 
 
-def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype) -> tuple[ModelConfig, list[WeightTensor]]:
+def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype,
+                   load_format: str = "auto") -> tuple[ModelConfig, list[WeightTensor]]:
     """Every weight of the model that `config_json` describes, with its bytes in the held format."""
     model_config = ModelConfig.from_file(config_json)
-    fmt = StoredFormat.of(json.loads(config_json.read_text()), config_json) if quantization == "checkpoint" else None
+    fmt = None
+    if quantization == "checkpoint":
+        default = RELEASED if load_format == "dummy" else None
+        fmt = StoredFormat.of(json.loads(config_json.read_text()), config_json, default)
     out = []
     for name, tensor in meta_tensors(meta_model(model_config)):
         if fmt is None:

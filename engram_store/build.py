@@ -4,16 +4,17 @@ RESIDENCIES is the one list of residency names: what each one's tier holds where
 `python -m server plan`, reads it), whether it reads table files (converted first, read by whole-table
 row id under tensor parallelism), and how its tier is opened. A new tier is a new entry here.
 
-Disk tiers read table files from `engram.path` (default MODEL_DIR/engram), converted from the
-checkpoint on first use. Each file is checked on open against the checkpoint it is to serve (format
-version, the digest of its source tensors: source.py; its size): a table of another checkpoint, of
-these weights before they changed, or of an older format is reconverted with a warning naming the file
-when `engram.path` is the default (the server owns that directory), and refused at start when it is set
-(the operator's files: the message names the file and the convert command). A damaged file (bad
-header, truncated) is refused either way. Refused with a message naming the key: a residency name not
-in RESIDENCIES, disk residency on tmpfs / ramfs (O_DIRECT would bypass nothing: the "disk" is RAM), a
-table whose layout differs from the config's, and resident scales over files that keep their scales
-inline.
+Disk tiers read table files from `engram.path` (default MODEL_DIR/engram), written by the store's
+`TableSource` on first use: converted from the checkpoint (`CheckpointTables`), or drawn from a seed
+for dummy weights (models/dummy_engram.py). Each file is checked on open against the source it is to
+serve (format version, the source's digest: source.py for a checkpoint; its size): a table of another
+checkpoint, of these weights before they changed, or of an older format is written again with a
+warning naming the file when `engram.path` is the default (the server owns that directory), and
+refused at start when it is set (the operator's files: the message names the file and what to run).
+A damaged file (bad header, truncated) is refused either way. Refused with a message naming the key: a
+residency name not in RESIDENCIES, disk residency on tmpfs / ramfs (O_DIRECT would bypass nothing: the
+"disk" is RAM), a table whose layout differs from the config's, and resident scales over files that
+keep their scales inline.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Collection, Literal, Protocol
 
 import numpy as np
 import torch
@@ -53,13 +54,51 @@ class EngramConfigError(ValueError):
     """An engram: setting that cannot work; names the key."""
 
 
+class TableSource(Protocol):
+    """Where the table files of the disk tiers come from. `digest(layer)` is what a file must record
+    (TableHeader.source_digest) to hold this source's rows; `write` makes the missing ones (rows in the
+    layout's order); `remedy` says what an operator runs to replace a stale file at an explicit path."""
+
+    default_dir: Path  # where the files go without engram.path
+
+    def digest(self, layer: int) -> str: ...
+
+    def write(self, out_dir: Path, layout: EngramLayout, scale_layout: str, layers: Collection[int]) -> None: ...
+
+    def remedy(self, out_dir: Path, scale_layout: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class CheckpointTables:
+    """Table files converted from a checkpoint's `model.engram_tables.<L>.weight` tensors (convert.py)."""
+
+    model_dir: Path
+
+    @property
+    def default_dir(self) -> Path:
+        return self.model_dir / "engram"
+
+    def digest(self, layer: int) -> str:
+        files = tensor_files(self.model_dir)
+        return source_digest(files, source_tensors(files, layer, self.model_dir))
+
+    def write(self, out_dir: Path, layout: EngramLayout, scale_layout: str, layers: Collection[int]) -> None:
+        log.info("converting Engram layers %s of %s into %s", sorted(layers), self.model_dir, out_dir)
+        convert_tables(self.model_dir, out_dir, layout, scale_layout, progress=True, layers=set(layers))
+
+    def remedy(self, out_dir: Path, scale_layout: str) -> str:
+        separate = " --scales separate" if scale_layout == "separate" else ""
+        command = f"python -m engram_store.convert {self.model_dir} --out {out_dir}{separate}"
+        return f"reconvert the tables for this checkpoint: {command}"
+
+
 @dataclass(frozen=True)
 class TierInputs:
-    """What opening any tier may need: the checkpoint, its layout, the options and the compute device."""
+    """What opening any tier may need: the tables' source, their layout, the options and the compute device."""
 
     layout: EngramLayout
     head_dim: int
-    model_dir: Path
+    tables: TableSource
     read_table: TableReader
     options: EngramOptions
     device: str
@@ -67,8 +106,8 @@ class TierInputs:
 
     @property
     def directory(self) -> Path:
-        """Where the table files are (engram.path, default MODEL_DIR/engram)."""
-        return self.options.path or self.model_dir / "engram"
+        """Where the table files are (engram.path, default the source's: MODEL_DIR/engram for a checkpoint)."""
+        return self.options.path or self.tables.default_dir
 
 
 TierOpener = Callable[[TierInputs, dict[int, int]], EngramTier]  # (inputs, layer index -> layer id) -> tier
@@ -131,15 +170,12 @@ def _open_disk(inputs: TierInputs, layers: dict[int, int]) -> DiskTier:
 
 
 def _open_tables(inputs: TierInputs, layers: dict[int, int], paths: dict[int, Path]) -> dict[int, TableHeader]:
-    """Each layer's table header, the file checked against the checkpoint (convert.open_table).
-    Missing files are converted; foreign, stale or old-format ones too at the default path (with a
+    """Each layer's table header, the file checked against the tables' source (convert.open_table).
+    Missing files are written; foreign, stale or old-format ones too at the default path (with a
     warning naming each), refused at an explicit one; damaged files are refused."""
-    files = tensor_files(inputs.model_dir)
-    digests = {index: source_digest(files, source_tensors(files, layer, inputs.model_dir))
-               for index, layer in layers.items()}
+    digests = {index: inputs.tables.digest(layer) for index, layer in layers.items()}
     scale_layout = "separate" if inputs.options.resident_scales else "inline"
-    command = f"python -m engram_store.convert {inputs.model_dir} --out {inputs.directory}" + (
-        " --scales separate" if inputs.options.resident_scales else "")
+    remedy = inputs.tables.remedy(inputs.directory, scale_layout)
     headers: dict[int, TableHeader] = {}
     missing: dict[int, int] = {}
     for index, layer in layers.items():
@@ -149,17 +185,13 @@ def _open_tables(inputs: TierInputs, layers: dict[int, int], paths: dict[int, Pa
             missing[index] = layer
         except StaleTableError as exc:
             if inputs.options.path is not None:
-                raise EngramConfigError(
-                    f"engram.path: {exc}; reconvert the tables for this checkpoint: {command}") from exc
+                raise EngramConfigError(f"engram.path: {exc}; {remedy}") from exc
             log.warning("%s; reconverting it", exc)
             missing[index] = layer
         except TableFormatError as exc:
-            raise EngramConfigError(f"engram.path: {exc}; reconvert the tables: {command}") from exc
+            raise EngramConfigError(f"engram.path: {exc}; {remedy}") from exc
     if missing:
-        log.info("converting Engram layers %s of %s into %s", sorted(missing.values()), inputs.model_dir,
-                 inputs.directory)
-        convert_tables(inputs.model_dir, inputs.directory, inputs.layout, scale_layout, progress=True,
-                       layers=set(missing.values()))
+        inputs.tables.write(inputs.directory, inputs.layout, scale_layout, set(missing.values()))
         headers.update({index: open_table(paths[index], digests[index]) for index in missing})
     return {index: headers[index] for index in layers}  # in the layers' order, as the reader's files are
 
@@ -184,13 +216,15 @@ def check_residencies(options: EngramOptions) -> None:
 
 
 def build_store(layout: EngramLayout, head_dim: int, model_dir: Path, read_table: TableReader, options: EngramOptions,
-                device: str) -> EngramStore:
-    """The store of `layout`'s layers, each in the tier its residency names."""
+                device: str, tables: TableSource | None = None) -> EngramStore:
+    """The store of `layout`'s layers, each in the tier its residency names; table files come from
+    `tables` (default: converted from the checkpoint in `model_dir`)."""
     check_residencies(options)
     by_residency: dict[str, dict[int, int]] = {}
     for index, layer in enumerate(layout.layer_ids):
         by_residency.setdefault(options.residency_of(layer), {})[index] = layer
-    inputs = TierInputs(layout, head_dim, model_dir, read_table, options, device, StoreStats())
+    inputs = TierInputs(layout, head_dim, tables or CheckpointTables(model_dir), read_table, options, device,
+                        StoreStats())
     tiers = {name: RESIDENCIES[name].open(inputs, layers) for name, layers in by_residency.items()}
     return EngramStore(tiers, inputs.stats)
 

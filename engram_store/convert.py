@@ -60,6 +60,24 @@ def _scale_bytes(scales: torch.Tensor, dtype: str) -> np.ndarray:
     return _as_bytes(scales.float())
 
 
+def block_bytes(values: torch.Tensor, scales: torch.Tensor, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """A block of rows as write_table takes it: (value bytes [n, value_bytes], scale bytes [n, scale_bytes])."""
+    return _as_bytes(values), _scale_bytes(scales, scale_dtype)
+
+
+def layer_header(layout: EngramLayout, index: int, rows: int, dim: int, value_dtype: str, n_scales: int,
+                 scale_layout: str, source_digest: str) -> TableHeader:
+    """The header of layer `layout.layer_ids[index]`'s table: its layout's primes and offsets, a fresh
+    table id, and the digest of what its rows were made from (source.py, or a dummy table's seed)."""
+    return TableHeader(
+        table_id=secrets.randbits(64), layer_id=layout.layer_ids[index], rows=rows, row_dim=dim,
+        value_dtype=value_dtype, scale_dtype="e8m0" if value_dtype == "float8_e4m3fn" else "float32",
+        scale_block=dim // n_scales, scale_layout=scale_layout,
+        primes=[p for order in layout.primes[index] for p in order], offsets=list(layout.offsets[index]),
+        source_digest=source_digest,
+    )
+
+
 def write_table(path: Path, header: TableHeader, blocks: Iterator[tuple[np.ndarray, np.ndarray]], progress: bool = False,
                 label: str | None = None) -> TableHeader:
     """Writes a table from blocks of (value bytes [n, value_bytes], scale bytes [n, scale_bytes]) rows.
@@ -157,19 +175,14 @@ def convert_tables(model_dir: Path, out_dir: Path, layout: EngramLayout, scale_l
             scale_handle = safe_open(files[scale_name], framework="pt") if scale_name else None
             scales = scale_handle.get_slice(scale_name) if scale_handle else None
             n_scales = scales.get_shape()[1] if scales is not None else 1
-            scale_dtype = "e8m0" if value_dtype == "float8_e4m3fn" else "float32"
-            header = TableHeader(
-                table_id=secrets.randbits(64), layer_id=layer, rows=rows, row_dim=dim, value_dtype=value_dtype,
-                scale_dtype=scale_dtype, scale_block=dim // n_scales, scale_layout=scale_layout,
-                primes=[p for order in layout.primes[index] for p in order], offsets=list(layout.offsets[index]),
-                source_digest=source_digest(files, sources),
-            )
+            header = layer_header(layout, index, rows, dim, value_dtype, n_scales, scale_layout,
+                                  source_digest(files, sources))
 
             def blocks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for start in range(0, rows, ROWS_PER_BLOCK):
                     end = min(rows, start + ROWS_PER_BLOCK)
                     block_scales = scales[start:end] if scales is not None else torch.ones(end - start, 1)
-                    yield _as_bytes(values[start:end]), _scale_bytes(block_scales, scale_dtype)
+                    yield block_bytes(values[start:end], block_scales, header.scale_dtype)
 
             path = table_file(out_dir, layer)
             label = f"Engram table {converting.index(layer) + 1} of {len(converting)} (layer {layer})"

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from models.transfer import moved
+
 
 @dataclass(frozen=True)
 class SequenceChunk:
@@ -73,12 +75,13 @@ class ForwardBatch:
         return replace(self, chunks=chunks)
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
-        """The batch's index tensors on the model's device (block tables included)."""
+        """The batch's index tensors on the model's device (block tables included), copied without
+        waiting for the device (models/transfer.py)."""
         if self.token_ids.device == torch.device(device):
             return self
-        chunks = tuple(c if c.pages is None else replace(c, pages=c.pages.to(device)) for c in self.chunks)
-        return replace(self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
-                       logits_rows=self.logits_rows.to(device), chunks=chunks)
+        chunks = tuple(c if c.pages is None else replace(c, pages=moved(c.pages, device)) for c in self.chunks)
+        return replace(self, token_ids=moved(self.token_ids, device), positions=moved(self.positions, device),
+                       logits_rows=moved(self.logits_rows, device), chunks=chunks)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from models.config import CSA, ModelConfig
 from models.host_tier import HostTierSpec, HotRing, TieredPages
 from models.packed_pages import Codec, FP4Codec, FP8Codec, PackedPages
+from models.transfer import on_device
 
 KV_CACHE_DTYPES = ("auto", "fp4", "fp8")
 
@@ -363,7 +364,7 @@ def _copy_rows(tensors: list[torch.Tensor], sources: list[int], targets: list[in
     """tensor[targets[i]] = tensor[sources[i]] for each tensor: one indexed copy per tensor."""
     if not sources:
         return
-    src = torch.tensor(sources, device=tensors[0].device)
-    dst = torch.tensor(targets, device=tensors[0].device)
+    src = on_device(sources, torch.long, tensors[0].device)
+    dst = on_device(targets, torch.long, tensors[0].device)
     for tensor in tensors:
         tensor[dst] = tensor[src]

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engram_store import InMemoryEngramTable
-from engram_store.build import RESIDENCIES, build_store
+from engram_store.build import RESIDENCIES, TableSource, build_store
 from engram_store.hashing import NgramHasher, build_compressed_token_map
 from engram_store.spec import EngramSpec
 from engram_store.store import EngramOptions
@@ -57,11 +57,13 @@ def engram_hasher(spec: EngramSpec, tokenizer: Tokenizer) -> NgramHasher:
 
 def engram_memory(
     spec: EngramSpec, directory: Path, read_table: TableReader, device: str, options: EngramOptions | None = None,
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, tables: TableSource | None = None, tokenizer_dir: Path | None = None,
 ) -> EngramMemory:
     """Without `options` every table (this rank's rows of it) is read into memory; with them, each layer
-    goes to its tier (a disk tier reads the shared table file by whole-table row id)."""
-    tokenizer_file = directory / "tokenizer.json"
+    goes to its tier (a disk tier reads the shared table file by whole-table row id, written by `tables`:
+    default, converted from the checkpoint in `directory`). The hasher comes from the tokenizer in
+    `tokenizer_dir` (default `directory`)."""
+    tokenizer_file = (tokenizer_dir or directory) / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ConfigError(f"Engram needs the checkpoint's tokenizer: {tokenizer_file} is missing")
     hasher = engram_hasher(spec, Tokenizer.from_file(str(tokenizer_file)))
@@ -87,7 +89,7 @@ def engram_memory(
         return EngramShard(first, end, shifts)
 
     if options is not None:
-        store = build_store(layout, spec.head_dim, directory, read_layer, options, device)
+        store = build_store(layout, spec.head_dim, directory, read_layer, options, device, tables)
         in_memory = [not RESIDENCIES[options.residency_of(layer)].reads_files for layer in spec.layer_ids]
         return EngramMemory(hasher, store, shard(in_memory))
     values, scales = [], []

@@ -314,11 +314,13 @@ def load_model(
     engram: EngramOptions | None = None,
     tp: TensorParallel = SINGLE,
     keep_quantized: bool = False,
+    tokenizer_dir: Path | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
     `engram` places each Engram table in its tier (engram_store/); None reads them all into memory.
     `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide).
-    `keep_quantized`: FP8 linears and MXFP4 experts stay as stored (see the module docstring)."""
+    `keep_quantized`: FP8 linears and MXFP4 experts stay as stored (see the module docstring).
+    `tokenizer_dir`: where V4.1's Engram hashing finds tokenizer.json (default: the checkpoint's)."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
@@ -356,7 +358,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.engram is not None:
         try:
-            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram, tp)
+            model.engram_memory = engram_memory(config.engram, directory, reader.read_engram_table, device, engram, tp,
+                                                tokenizer_dir=tokenizer_dir)
         except ConfigError as exc:
             raise CheckpointError(f"{directory}: {exc}") from exc
     unexpected = sorted(name for name in reader.source.names() - reader.consumed if not name.startswith(ignored))
@@ -389,16 +392,25 @@ def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> se
     replaced = set()
     for name, module in fp8_candidates(model):
         stored = index.direct.get(f"{name}.weight", f"{name}.weight")
-        if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard_of(model, f"{name}.weight")):
+        shard = shard_of(model, f"{name}.weight")
+        if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard):
             continue
-        with torch.device("meta"):
-            fp8 = Fp8Linear(module.in_features, module.out_features, reader.fp8_block)
-        if hasattr(module, "tp_shards"):
-            fp8.tp_shards = module.tp_shards
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, fp8)
+        swap_in_fp8(model, name, reader.fp8_block)
         replaced.add(name)
     return replaced
+
+
+def swap_in_fp8(model: nn.Module, name: str, block: int) -> Fp8Linear:
+    """Puts an empty (meta) Fp8Linear of `block` x `block` scale blocks where the nn.Linear `name` stands,
+    with its shard record; returns it."""
+    linear = model.get_submodule(name)
+    with torch.device("meta"):
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, block)
+    if hasattr(linear, "tp_shards"):
+        fp8.tp_shards = linear.tp_shards
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, fp8)
+    return fp8
 
 
 def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -420,9 +432,15 @@ def _stored_fp8(reader: WeightReader, stored: str, module: nn.Linear, shard: Sha
         full[shard.dim] = shard.full
     if reader._format(stored, tuple(full)).kind != "fp8":
         return False
+    return cuts_whole_blocks(shard, reader.fp8_block)
+
+
+def cuts_whole_blocks(shard: Shard | None, block: int) -> bool:
+    """Whether a rank's shard (None: the whole tensor) is one run of whole scale blocks, so its FP8
+    values and scales can be held as stored; otherwise the shard is dequantized."""
     if shard is None:
         return True
-    start, end, block = *shard.ranges[0], reader.fp8_block
+    start, end = shard.ranges[0]
     return len(shard.ranges) == 1 and start % block == 0 and (end % block == 0 or end == shard.full)
 
 

@@ -167,6 +167,9 @@ class PrefixCache:
         self.points: dict[tuple[str | None, tuple[int, ...]], StatePoint] = {}
         self.by_chain: dict[int, list[StatePoint]] = {}
         self.order: ValueOrder[tuple[str | None, tuple[int, ...]]] = ValueOrder()
+        # points whose state is still being computed (a chunk's point is taken as it is scheduled): lookups
+        # do not find them until `confirm`; evictions take them last
+        self.unconfirmed: set[tuple[str | None, tuple[int, ...]]] = set()
         # called with each victim before its snapshot slot and pages are freed (the scheduler spills it
         # into the host tier); dropping points for other reasons (clear, a replacement) does not call it
         self.on_evict: Callable[[StatePoint], None] = lambda point: None
@@ -196,10 +199,13 @@ class PrefixCache:
         self.order.set((point.salt, point.tokens), point.position, point.hits)
 
     def insert(
-        self, salt: str | None, tokens: tuple[int, ...], pages: tuple[int, ...], has_logits: bool = False
+        self, salt: str | None, tokens: tuple[int, ...], pages: tuple[int, ...], has_logits: bool = False,
+        confirmed: bool = True,
     ) -> StatePoint | None:
         """A new point (None if an equal one exists: it is only refreshed, or if no snapshot slot can
-        be had). The caller copies the request's slot into `point.snapshot` before it changes."""
+        be had). The caller copies the request's slot into `point.snapshot` before it changes. An
+        unconfirmed point (its chunk is still to run) holds its snapshot slot and pages, but lookups
+        do not see it until `confirm`; `discard` drops it if its chunk failed."""
         if not tokens:
             return None
         key = (salt, tokens)
@@ -218,13 +224,30 @@ class PrefixCache:
         point = StatePoint(salt, tokens, self.free_snapshots.pop(), pages, has_logits, chain, hits)
         self.blocks.cache_pages(pages)
         self.points[key] = point
-        self.by_chain.setdefault(chain, []).append(point)
+        if confirmed:
+            self.by_chain.setdefault(chain, []).append(point)
+        else:
+            self.unconfirmed.add(key)
         self.order.set(key, len(tokens), hits)
         return point
 
+    def confirm(self, point: StatePoint) -> None:
+        """The point's chunk ran: lookups may find it, evictions may take it."""
+        key = (point.salt, point.tokens)
+        if key in self.unconfirmed and self.points.get(key) is point:
+            self.unconfirmed.discard(key)
+            self.by_chain.setdefault(point.chain, []).append(point)
+
+    def discard(self, point: StatePoint) -> None:
+        """The point's chunk failed: its snapshot would not hold its state."""
+        key = (point.salt, point.tokens)
+        if key in self.unconfirmed and self.points.get(key) is point:
+            self._drop(key)
+
     def evict_one(self) -> bool:
         """Drops the point of lowest value (after `on_evict`); False when there is none."""
-        key = self.order.pop()
+        # confirmed points first; an unconfirmed one is spilled too (its spill runs after its chunk)
+        key = self.order.pop(lambda key: key not in self.unconfirmed) or self.order.pop()
         if key is None:
             return False
         self.on_evict(self.points[key])
@@ -238,10 +261,13 @@ class PrefixCache:
 
     def _drop(self, key: tuple[str | None, tuple[int, ...]]) -> None:
         point = self.points.pop(key)
-        siblings = self.by_chain[point.chain]
-        siblings.remove(point)
-        if not siblings:
-            del self.by_chain[point.chain]
+        if key in self.unconfirmed:
+            self.unconfirmed.discard(key)
+        else:
+            siblings = self.by_chain[point.chain]
+            siblings.remove(point)
+            if not siblings:
+                del self.by_chain[point.chain]
         self.order.discard(key)
         self.blocks.uncache_pages(point.pages)
         self.free_snapshots.append(point.snapshot)
@@ -251,5 +277,6 @@ class PrefixCache:
         assert len(set(used)) == len(used), "two points share a snapshot slot"
         assert len(used) + len(self.free_snapshots) == snapshot_slots, "snapshot slots leaked"
         indexed = sum(len(v) for v in self.by_chain.values())
-        assert indexed == len(self.points), "the chain index does not match the points"
+        assert indexed == len(self.points) - len(self.unconfirmed), "the chain index does not match the points"
+        assert self.unconfirmed <= set(self.points), "an unconfirmed point is not held"
         assert self.order.keys() == set(self.points), "the eviction order does not match the points"

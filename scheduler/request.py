@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from contract import NewRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import StatePoint
 
 
 class RequestStatus(enum.Enum):
@@ -33,6 +37,12 @@ class Request:
     # times from these, as durations
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
+    # overlapped scheduling: chunks launched whose results are not applied yet (`num_computed_tokens`
+    # counts their tokens already), of them the sampling ones, whose tokens are still on the device,
+    # and the state points taken for them (position, point), confirmed when their chunk lands
+    chunks_in_flight: int = 0
+    draws_in_flight: int = 0
+    unconfirmed: list[tuple[int, StatePoint]] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -57,6 +67,19 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return [*self.message.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        """The sequence as its next chunk sees it: the known tokens, then the draws still in flight."""
+        return len(self.message.prompt_token_ids) + len(self.output_token_ids) + self.draws_in_flight
+
+    @property
+    def reads_own_tokens(self) -> bool:
+        """Its draws need its previous token on the host (penalties and multi-id bad words read the
+        history; a grammar's bitmask follows the matcher; echo collects per chunk), so its next chunk
+        waits until the one in flight landed."""
+        params = self.params
+        return params.penalizes_output or params.structured is not None or params.prompt_logprobs is not None
 
     @property
     def in_prefill(self) -> bool:

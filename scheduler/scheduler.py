@@ -18,16 +18,29 @@ tiers: a host hit is loaded into the request's slot and pages; a disk hit is fet
 first, while the request waits and the requests behind it are admitted past it. As the engine stops,
 `flush` puts the GPU's points on the disk tier too, so a restart finds the conversations that were
 never evicted.
+
+Overlapped scheduling (docs/overlap.md): the engine may plan step N+1 while step N runs, before its
+results are applied. A chunk's tokens count as computed as it is scheduled; a decode whose input is
+step N's draw (still on the device) gets PENDING_TOKEN, which the worker resolves, when the executor
+takes such inputs (`pending_inputs`) and the request's draws need nothing on the host
+(`Request.reads_own_tokens`; otherwise its next chunk waits a step). A state point is taken as its
+chunk is scheduled (its snapshot copy rides in the next plan, which runs after it) and confirmed when
+the chunk lands. A request whose draw in flight is its last (max_tokens) is not scheduled again; one
+that stops on a token while its next chunk runs keeps its slot and pages until that chunk lands
+(`draining`), and its end point is taken there, past the stop token. With no step in flight (the
+serial loop) all of this reduces to schedule -> execute -> update as before.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from contract import (
+    PENDING_TOKEN,
     EngineLimits,
     NewRequest,
     RequestOutput,
@@ -103,6 +116,13 @@ class Scheduler:
         self._fetched: set[str] = set()  # waiting requests whose fetch finished: their host hit came from disk
         self._flushing: deque[StatePoint] | None = None  # GPU points the stopping engine still puts on disk
         self.host_hit_tokens = self.disk_hit_tokens = 0
+        # decode chunks may take a draw still in flight as their input (PENDING_TOKEN): the engine sets
+        # this when it overlaps steps and its executor resolves such inputs
+        self.pending_inputs = False
+        self.launched: dict[str, Request] = {}  # requests with chunks in flight (running, preempted or draining)
+        # finished requests whose next chunk is still in flight: their slot and pages are held until it
+        # lands, then their end point is taken (if `take_point`)
+        self.draining: dict[str, tuple[Request, bool]] = {}
 
     def validate(self, request: NewRequest) -> None:
         validate_request(self.limits, request)
@@ -121,7 +141,8 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Requests, snapshots to take, or tier moves to send or still out (their TierDone is work)."""
-        return bool(self.waiting or self.running or self._saves or (self.tiers is not None and self.tiers.busy))
+        return bool(self.waiting or self.running or self._saves or self.draining
+                    or (self.tiers is not None and self.tiers.busy))
 
     @property
     def disk_version(self) -> int:
@@ -149,22 +170,26 @@ class Scheduler:
         page_copies: list[tuple[int, int]] = []
         loads: list[TierMove] = []
         scheduled: set[str] = set()
+        pointed: list[Request] = []  # requests whose chunk ends where a state point is taken
         if self.tiers is not None and self.tiers.disk is not None:
             self._scan_waiting()
         for request in [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]:
             if budget <= 0:
                 break
-            if request not in self.running:  # preempted earlier in this step
+            if request not in self.running or not self._may_schedule(request):  # preempted earlier in this step
                 continue
             length = self._chunk_length(request, budget)
             if not self._reserve(request, length, scheduled):
                 continue  # the request itself was preempted
-            chunks.append(self._chunk(request, budget))
+            chunks.append(self._launch(request, budget, pointed))
             scheduled.add(request.request_id)
             budget -= length
         index = 0
         while index < len(self.waiting) and self.blocks.has_slot() and budget > 0:
             request = self.waiting[index]
+            if request.chunks_in_flight:  # preempted while its chunk ran: it resumes once that landed
+                index += 1
+                continue
             hit = None
             if request.request_id not in self._fetching:
                 hit = self._lookup(request)  # a disk hit starts a fetch, which the request then waits for
@@ -179,15 +204,48 @@ class Scheduler:
             if request.scheduled_at is None:  # a preempted request's queue time ended at its first admission
                 request.scheduled_at = time.monotonic()
             self.running.append(request)
-            chunks.append(self._chunk(request, budget))
+            chunks.append(self._launch(request, budget, pointed))
             scheduled.add(request.request_id)
             budget -= len(chunks[-1].token_ids)
         self.last_step_tokens = self.limits.max_num_batched_tokens - budget
         self.blocks.close(COPY_SOURCES)
         tiers = self.tiers
-        return StepPlan(chunks=tuple(chunks), saves=self._take_saves(), restores=tuple(restores),
+        plan = StepPlan(chunks=tuple(chunks), saves=self._take_saves(), restores=tuple(restores),
                         page_copies=tuple(page_copies), tier_moves=tiers.take_moves(loads) if tiers is not None else (),
-                        tickets_out=len(tiers.tickets) if tiers is not None else 0)
+                        tickets_out=len(tiers.tickets) if tiers is not None else 0,
+                        draw_seed=random.getrandbits(63) if chunks else 0)
+        # after the plan's copies are taken: these snapshots (and what their evictions spill) ride in
+        # the next plan, which runs after this one computed them
+        for request in pointed:
+            self._take_point(request, confirmed=False)
+        return plan
+
+    def _may_schedule(self, request: Request) -> bool:
+        """A running request's next chunk can go into this plan: its input is known, or it is a draw
+        still in flight that the worker resolves, and that draw is not the request's last."""
+        if not request.chunks_in_flight:
+            return True
+        if request.reads_own_tokens:  # it waits for its chunk in flight to land
+            return False
+        if not request.draws_in_flight:  # a prompt chunk in flight: the next one's tokens are known
+            return True
+        if not self.pending_inputs:
+            return False
+        outputs = len(request.output_token_ids) + request.draws_in_flight
+        return outputs < request.params.max_tokens and request.num_tokens < self.limits.max_model_len
+
+    def _launch(self, request: Request, budget: int, pointed: list[Request]) -> ScheduledChunk:
+        """The request's next chunk, counted as computed from now on (a later plan runs after it)."""
+        chunk = self._chunk(request, budget)
+        request.num_computed_tokens += len(chunk.token_ids)
+        request.chunks_in_flight += 1
+        self.launched[request.request_id] = request
+        if chunk.sample:
+            request.draws_in_flight += 1
+            request.logits_position = request.num_computed_tokens
+        if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
+            pointed.append(request)
+        return chunk
 
     def _take_saves(self) -> tuple[StateCopy, ...]:
         """The snapshots taken since the last plan (a snapshot slot freed and taken again: its last save)."""
@@ -313,7 +371,7 @@ class Scheduler:
         """The next chunk's tokens; a prompt chunk ends at the request's cache boundary (to take a
         state point there) when the prefix cache is on."""
         start = request.num_computed_tokens
-        end = min(len(request.all_token_ids), start + budget)
+        end = min(request.num_tokens, start + budget)
         boundary = request.cache_boundary
         if self.prefix is not None and boundary is not None and start < boundary < end and not request.output_token_ids:
             end = boundary
@@ -324,7 +382,9 @@ class Scheduler:
         if none is left, the request itself) until they fit. False if the request was preempted."""
         needed = request.num_computed_tokens + length
         while not self.blocks.grow(request.request_id, needed):
-            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            # an echo request with a chunk in flight is not preempted: its prompt logprobs are being collected
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not request
+                       and not (r.chunks_in_flight and r.params.prompt_logprobs is not None)]
             victim = victims[-1] if victims else request
             self._preempt(victim)
             if victim is request:
@@ -344,6 +404,8 @@ class Scheduler:
         tokens = request.all_token_ids
         start = request.num_computed_tokens
         end = start + self._chunk_length(request, budget)
+        known = tokens[start:end]  # then the draws in flight, which the worker resolves
+        drawn = len(request.output_token_ids) + request.draws_in_flight
         prompt_len = len(request.prompt_token_ids)
         # a request recomputed after preemption already delivered its prompt logprobs with its first token
         wants_prompt_logprobs = (
@@ -355,12 +417,12 @@ class Scheduler:
             request_id=request.request_id,
             slot=request.slot,
             pages=tuple(self.blocks.table(request.request_id)),
-            token_ids=tuple(tokens[start:end]),
+            token_ids=(*known, *[PENDING_TOKEN] * (end - start - len(known))),
             position=start,
-            sample=end == len(tokens),
+            sample=end == request.num_tokens,
             logprob_targets=targets,
-            params=request.params.for_draw(len(request.output_token_ids), self.limits.eos_token_ids),
-            num_generated=len(request.output_token_ids),
+            params=request.params.for_draw(drawn, self.limits.eos_token_ids),
+            num_generated=drawn,
             prompt_token_ids=tuple(request.prompt_token_ids) if history and request.params.penalizes_prompt else (),
             output_token_ids=tuple(request.output_token_ids) if history else (),
         )
@@ -369,27 +431,61 @@ class Scheduler:
         """Applies a step's results (its finished tier moves first); returns one output per request that changed."""
         for done in result.tier_done:
             self._tier_done(done)
-        by_id = {r.request_id: r for r in self.running}
         outputs = []
         for chunk, chunk_result in zip(plan.chunks, result.chunks, strict=True):
-            request = by_id.get(chunk.request_id)
-            if request is None:  # aborted while the step ran
+            request = self.launched.get(chunk.request_id)
+            if request is None:  # aborted or failed while the step ran
+                continue
+            self._landed(request, chunk)
+            if request.request_id in self.draining:  # it stopped while this chunk ran
+                if not request.chunks_in_flight:
+                    self._drained(request, ok=chunk_result.error is None)
                 continue
             if chunk_result.error is not None:  # only this request fails; the step's others go on
                 outputs.append(self._finish(request, RequestStatus.FAILED, "error", chunk_result.error))
                 continue
-            request.num_computed_tokens += len(chunk.token_ids) + len(chunk_result.accepted)  # drafts were computed too
-            if chunk.sample:
-                request.logits_position = request.num_computed_tokens
-            if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
-                self._take_point(request)
+            self._confirm_points(request, chunk.position + len(chunk.token_ids))
+            request.num_computed_tokens += len(chunk_result.accepted)  # drafts were computed too
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
-            if chunk.params.prompt_logprobs is not None and in_prompt:  # not again when recomputed after preemption
+            # not again when recomputed after preemption, nor for a chunk that ran before the request was preempted
+            if chunk.params.prompt_logprobs is not None and in_prompt and request.status is RequestStatus.RUNNING:
                 collected = self.pending_prompt_logprobs.setdefault(request.request_id, [None])
                 collected.extend(chunk_result.prompt_logprobs)
             if chunk_result.new_tokens:
                 outputs.append(self._append_tokens(request, chunk_result.new_tokens))
         return outputs
+
+    def _landed(self, request: Request, chunk: ScheduledChunk) -> None:
+        """A chunk's result arrived: it is no longer in flight."""
+        request.chunks_in_flight -= 1
+        if chunk.sample:
+            request.draws_in_flight -= 1
+        if not request.chunks_in_flight:
+            del self.launched[request.request_id]
+
+    def _confirm_points(self, request: Request, end: int) -> None:
+        """The points taken for chunks up to `end` hold their state now: lookups may find them."""
+        assert self.prefix is not None or not request.unconfirmed
+        for _, point in [entry for entry in request.unconfirmed if entry[0] <= end]:
+            self.prefix.confirm(point)
+        request.unconfirmed = [entry for entry in request.unconfirmed if entry[0] > end]
+
+    def _discard_points(self, request: Request) -> None:
+        """The request's chunks in flight will not be applied: points taken for them would hold no state."""
+        if self.prefix is not None:
+            for _, point in request.unconfirmed:
+                self.prefix.discard(point)
+        request.unconfirmed = []
+
+    def _drained(self, request: Request, ok: bool) -> None:
+        """A request that stopped while its next chunk ran: that chunk landed, so its slot holds the
+        state past its last token, where its end point is taken; then its slot and pages go."""
+        _, take_point = self.draining.pop(request.request_id)
+        if ok and take_point:
+            self._take_point(request)
+        self._discard_points(request)
+        self.blocks.close(request.request_id)
+        request.slot = None
 
     def _tier_done(self, done: TierDone) -> None:
         """A write or fetch finished (unknown tickets, e.g. forgotten by fail_all, are ignored); the
@@ -477,6 +573,14 @@ class Scheduler:
             self._fetching.clear()
             self._fetched.clear()
             self._scanned.clear()
+        for request, _ in list(self.draining.values()):  # their outputs went out already
+            self.draining.pop(request.request_id)
+            self.blocks.close(request.request_id)
+            request.slot = None
+        for request in self.waiting:  # preempted while their chunks ran: they recompute from their known tokens
+            request.chunks_in_flight = request.draws_in_flight = 0
+            request.unconfirmed = []
+        self.launched.clear()
         return [self._finish(request, RequestStatus.FAILED, "error", message) for request in list(self.running)]
 
     def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> RequestOutput:
@@ -491,20 +595,36 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def _take_point(self, request: Request) -> None:
-        """A prefix-cache point at the request's computed tokens; its slot is snapshotted next step."""
+    def _take_point(self, request: Request, confirmed: bool = True) -> None:
+        """A prefix-cache point at the request's computed tokens; its slot is snapshotted next step. A
+        point taken while the request has chunks in flight is confirmed when they land."""
         if self.prefix is None or not request.num_computed_tokens:
             return
+        assert request.num_computed_tokens <= len(request.all_token_ids), "a state point over a draw in flight"
         tokens = tuple(request.all_token_ids[: request.num_computed_tokens])
         has_logits = request.logits_position == request.num_computed_tokens
-        point = self.prefix.insert(request.cache_salt, tokens, tuple(self.blocks.table(request.request_id)), has_logits)
+        confirmed = confirmed and not request.chunks_in_flight
+        point = self.prefix.insert(request.cache_salt, tokens, tuple(self.blocks.table(request.request_id)), has_logits,
+                                   confirmed=confirmed)
         if point is not None:
             self._saves.append(StateCopy(request.slot, point.snapshot))
+            if not confirmed:
+                request.unconfirmed.append((point.position, point))
 
     def _release(self, request: Request, status: RequestStatus, reason: str, take_point: bool = True) -> None:
         request.status, request.finish_reason = status, reason
+        if status is RequestStatus.FINISHED and request.chunks_in_flight and request in self.running:
+            # its next chunk runs on its slot: the slot and pages are held until it lands (`_drained`)
+            self.running.remove(request)
+            self.draining[request.request_id] = (request, take_point)
+            self._fetching.pop(request.request_id, None)
+            return
         if take_point and status is RequestStatus.FINISHED and request in self.running:
             self._take_point(request)  # a follow-up turn continues from here
+        if request.chunks_in_flight:  # aborted or failed: what its chunks in flight compute is not applied
+            self._discard_points(request)
+            self.launched.pop(request.request_id, None)
+            request.chunks_in_flight = request.draws_in_flight = 0
         if request in self.running:
             self.running.remove(request)
             self.blocks.close(request.request_id)
@@ -537,9 +657,11 @@ class Scheduler:
                 for page in point.pages:
                     cache_refs[page] += 1
         self.blocks.check_integrity(cache_refs)
-        holders = {r.request_id for r in self.running}
+        holders = {r.request_id for r in self.running} | set(self.draining)
         assert set(self.blocks.slots) == holders, "slots held by requests that are not running"
         assert all(self.blocks.slots[r.request_id] == r.slot for r in self.running), "a request lost its slot"
+        assert all(r.request_id in self.launched for r in (*self.running, *self.waiting) if r.chunks_in_flight) \
+            and all(r.chunks_in_flight for r in self.launched.values()), "chunks in flight not tracked"
         if self.tiers is not None:
             self.tiers.check_integrity()
             waiting = {r.request_id for r in self.waiting}

@@ -29,10 +29,11 @@ UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "half": "float16"}
 KV_CACHE_DTYPES = {"auto": "auto", "fp4": "fp4", "fp8": "fp8", "fp8_ds_mla": "fp8", "fp8_e4m3": "fp8"}
+LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "dummy": "dummy"}  # vLLM's names for what this server loads
 SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 # vLLM tuning of its own kernels and compiler: no counterpart here
 NO_EFFECT = ("compilation_config", "attention_config", "kernel_config", "moe_backend", "max_cudagraph_capture_size",
-             "async_scheduling", "enable_flashinfer_autotune")
+             "enable_flashinfer_autotune")
 
 
 class JsonObject(argparse.Action):
@@ -78,6 +79,13 @@ def kv_cache_dtype_name(text: str) -> str:
     if text not in KV_CACHE_DTYPES:
         raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[text]
+
+
+def load_format_name(text: str) -> str:
+    """vLLM's `safetensors` is what auto loads here; its other formats (pt, gguf, ...) are not read."""
+    if text not in LOAD_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(LOAD_FORMATS)}")
+    return LOAD_FORMATS[text]
 
 
 def dtype_name(text: str) -> str:
@@ -138,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "max_position_embeddings, also when unset; past it the server refuses to start)"))
     group("--dtype", type=dtype_name, metavar="{" + ",".join(DTYPES) + "}",
           help=config_help("dtype", "weight dtype; auto: bfloat16 on a GPU, float32 on the CPU"))
+    group("--load-format", type=load_format_name, metavar="{" + ",".join(LOAD_FORMATS) + "}", help=config_help(
+        "load_format", "auto (= safetensors): the checkpoint's weights; dummy: seeded random weights (model.seed) at "
+        "config.json's dims, drawn on the device, in the format model.quantization names: a directory with "
+        "config.json and a tokenizer is enough"))
+    group("--tokenizer", metavar="DIR", help=config_help(
+        "tokenizer", "the directory of tokenizer.json (and tokenizer_config.json) (none: the model's; with "
+        "--load-format dummy and none there, the embedded default's when its vocabulary is the model's)"))
     group("--tokenizer-mode", choices=TOKENIZER_MODES, help=config_help(
         "tokenizer_mode", "vLLM's tokenizer mode: the checkpoint's tokenizer.json with the model's own "
         "chat encoder is always used; a DeepSeek name must be the model's (deepseek_v4 for V4, deepseek_v41 for V4.1)"))
@@ -186,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     group("--block-size", type=int, metavar="N", help=config_help("block_size", "tokens per KV page"))
     group("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
           help=config_help("enable_prefix_caching", "reuse the KV of prompts' shared prefixes"))
+    group("--async-scheduling", action=argparse.BooleanOptionalAction,
+          help=config_help("async_scheduling", "plan the next step while this one runs (overlapped scheduling)"))
+    group("--disable-overlap-schedule", dest="async_scheduling", action="store_false", default=None,
+          help="SGLang's spelling of --no-async-scheduling")
     group("--enable-chunked-prefill", action="store_true",
           help="accepted: prompts are always prefilled in chunks of --max-num-batched-tokens")
     group("--gpu-memory-utilization", type=float, metavar="FRACTION", help=config_help(
@@ -231,7 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
     group("--kernel-config", action=JsonObject, metavar="JSON", help="kernel backends and warm-ups")
     group("--moe-backend", metavar="NAME", help="the fused MoE kernel")
     group("--max-cudagraph-capture-size", type=int, metavar="N", help="the largest CUDA graph batch")
-    group("--async-scheduling", action="store_true", help="overlapping scheduling with execution")
     group("--enable-flashinfer-autotune", action=argparse.BooleanOptionalAction, help="FlashInfer's autotuning")
     return parser
 

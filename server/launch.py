@@ -10,7 +10,8 @@ import logging
 
 from fastapi import FastAPI
 
-from contract.config import ConfigFileError, ServeConfig
+from contract.config import ServeConfig
+from contract.model_files import check_model_dir, tokenizer_dir
 from server.app import ServedModel, create_app
 from server.chat import ChatFormat
 from server.chat_options import check_format_names, template_source
@@ -42,11 +43,7 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     (it builds the embedded default model if needed) and reports the model facts the tokenizer and chat
     format need, so this process never reads the checkpoint's config itself."""
     model_dir = config.model_dir
-    if config.model.path is not None and not model_dir.is_dir():  # refused before anything loads
-        raise ConfigFileError(
-            f"model.path (MODEL / --model) {config.model.path}: no such directory; this server serves a local "
-            f"checkpoint (a Hugging Face id must be downloaded first: huggingface-cli download {config.model.path}"
-            " --local-dir DIR)")
+    check_model_dir(config)  # refused before anything loads
     template = template_source(config.chat.template)
     client = RequestLoggingClient() if config.server.log_requests else EngineClient()
     engine_lost = EngineLost()
@@ -55,10 +52,11 @@ def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
         client.connect(engine)
         facts, limits = engine.ready.model, engine.ready.limits
         check_format_names(config.chat, facts.model_type)
-        tokenizer = TextTokenizer(model_dir, facts.bos_token_id, max_tokens=limits.max_model_len)
+        tokenizer = TextTokenizer(tokenizer_dir(config), facts.bos_token_id, max_tokens=limits.max_model_len)
         names = config.served_model_names
         served = ServedModel(names[0], str(model_dir), limits.max_model_len, limits.max_num_seqs, aliases=names[1:])
-        chat = ChatFormat.for_checkpoint(model_dir, facts.model_type, template, config.chat.default_template_kwargs)
+        chat = ChatFormat.for_checkpoint(tokenizer_dir(config), facts.model_type, template,
+                                         config.chat.default_template_kwargs)
     except Exception:
         engine.stop()
         raise

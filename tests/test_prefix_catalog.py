@@ -369,6 +369,8 @@ class DiskScheduler:
 
 
 class IdleExecutor:
+    pending_inputs = False
+
     def maintain(self) -> None:
         pass
 

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from contract import (
+    DoneStep,
     EngineLimits,
     EngineStats,
     NewRequest,
@@ -223,12 +224,17 @@ def on_disk(scheduler: Scheduler) -> set:
 class Executor:
     """The loop's executor over the Worker (its `maintain` may fail: the loop dies); counts its steps."""
 
+    pending_inputs = False
+
     def __init__(self, worker: Worker, fails: bool = False) -> None:
         self.worker, self.fails, self.steps = worker, fails, 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.steps += 1
         return self.worker.execute(plan)
+
+    def launch(self, plan: StepPlan) -> DoneStep:
+        return DoneStep(self.execute(plan))
 
     def maintain(self) -> None:
         if self.fails:

@@ -250,11 +250,11 @@ def test_a_spill_while_the_victims_save_is_pending_copies_the_request_slot():
     scheduler.add(NewRequest("a", first, params()))
     scheduler.add(NewRequest("b", second, params()))
     worker.step()  # both prompts end in this step: a's point is taken, then b's evicts it before its save ran
-    plan = worker.step()
-    [spill] = moves(plan, "spill")
+    plan = worker.step()  # (a's end point, taken as it finishes, then evicts b's: also before its save ran)
+    spill_a, spill_b = moves(plan, "spill")
     slot_a, slot_b = (c.slot for c in worker.plans[0].chunks)
-    assert spill.slot[0] == slot_a  # the request slot, not the snapshot slot its save never filled
-    assert plan.saves == (StateCopy(slot_b, SEQS),)  # a's pending save was dropped
+    assert (spill_a.slot[0], spill_b.slot[0]) == (slot_a, slot_b)  # request slots, not snapshot slots never filled
+    assert plan.saves == (StateCopy(slot_b, SEQS),)  # the pending saves of the evicted points were dropped
     worker.run()
     plans = serve(worker, NewRequest("c", first + tokens(3, seed=6), params()))
     assert moves(plans[0], "load") and plans[0].chunks[0].position == 6
@@ -561,10 +561,11 @@ def test_random_workload_keeps_every_tier_consistent_and_every_state_exact():
         for request in scheduler.running:
             conversations.append((request.cache_salt, request.all_token_ids))
         conversations[:] = conversations[-40:]
-        if rng.random() < 0.01:
-            scheduler.schedule()
+        if rng.random() < 0.01:  # a step whose forward fails: its moves were issued and still report
+            plan = scheduler.schedule()
+            result = worker.execute(plan)
             scheduler.fail_all("injected")
-            worker.drop_async()
+            scheduler.update(StepPlan(()), StepResult((), result.tier_done))
             scheduler.check_integrity()
         elif scheduler.has_work:
             worker.step()

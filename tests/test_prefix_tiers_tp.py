@@ -126,6 +126,8 @@ def test_a_restart_fetches_on_every_rank_and_a_record_bad_on_one_rank_fails_the_
 class InFlight:
     """A rank's runner that runs nothing, with disk tier move 7 in flight."""
 
+    pending_inputs = False
+
     def __init__(self) -> None:
         self.cache, self.tickets = SimpleNamespace(num_pages=4), SimpleNamespace(in_flight={7: None})
 

@@ -11,8 +11,12 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
 - Width buckets: the decode path reads every entry a block table can hold, so the table width is
   bucketed too (4,096 tokens, then x4, up to max_model_len); a step uses the smallest width that
   holds its longest sequence.
-- Inputs live in one static int64 buffer [max batch, 3 + max width] (token, position, slot, pages);
-  each step fills a pinned host copy of the rows it uses and copies it in one transfer. Graphs share
+- Inputs live in one static int64 buffer [max batch, 4 + max width] (token, position, slot, draw row,
+  pages); each step fills a pinned host copy of the rows it uses and copies it in one transfer. Two
+  pinned copies take turns, so that with overlapped scheduling a step's rows are never written while
+  the transfer of the step before may still be queued. A row whose token is still on the device (a
+  PENDING_TOKEN input) names its row of the last step's draws, and one gather before the replay puts
+  those tokens into the token column. Graphs share
   one memory pool, captured largest first; their outputs (float32 logits) stay valid until the next
   replay of the same graph.
 - V4.1's Engram rows depend only on the step's tokens, so they are fetched before the replay (host
@@ -37,7 +41,7 @@ from models import DecodeBatch, ModelCache
 
 log = logging.getLogger("ds4serve.worker")
 
-TOKEN, POSITION, SLOT, PAGES = 0, 1, 2, 3  # columns of the input buffer
+TOKEN, POSITION, SLOT, DRAW_ROW, PAGES = 0, 1, 2, 3, 4  # columns of the input buffer
 FIRST_WIDTH_TOKENS = 4096
 
 
@@ -58,12 +62,14 @@ def width_buckets(max_pages: int, block_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence of a decode step: its cache slot, the token it adds at `position`, its block table."""
+    """One sequence of a decode step: its cache slot, the token it adds at `position`, its block table,
+    and the row of the last step's draws that is its token instead (-1: `token_id` is known)."""
 
     slot: int
     token_id: int
     position: int
     pages: tuple[int, ...]
+    draw_row: int = -1
 
 
 class DecodeGraphs:
@@ -76,8 +82,10 @@ class DecodeGraphs:
         self.widths = width_buckets(max_pages, cache.block_tokens)
         device = model.lm_head.weight.device
         self.inputs = torch.zeros(max_batch, PAGES + max_pages, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True)
-        self.host = self.staging.numpy()  # the same pinned memory, written without torch's per-op cost
+        # pinned copies, taking turns; each written through numpy (the same memory, without torch's per-op cost)
+        self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.staging = self.stagings[0]
+        self.host = self.staging.numpy()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool_bytes = 0
@@ -111,6 +119,7 @@ class DecodeGraphs:
         pad[:, TOKEN] = 0
         pad[:, POSITION] = 0
         pad[:, SLOT] = self.scratch_slot
+        pad[:, DRAW_ROW] = -1
         pad[:, PAGES:] = self.scratch_page
 
     def capture(self) -> None:
@@ -145,18 +154,25 @@ class DecodeGraphs:
         size = self.sizes[bisect_left(self.sizes, len(rows))]
         return size, self.widths[bisect_left(self.widths, max(len(r.pages) for r in rows))]
 
-    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """float32 logits [len(rows), vocab] of one decode step (a view of the graph's output)."""
+    def run(self, rows: list[DecodeRow], last_draws: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of one decode step (a view of the graph's output);
+        `last_draws`: the tokens of the last step's draws, which rows with a `draw_row` take."""
         n = len(rows)
         size, width = self.bucket(rows)
-        host = self.host
+        self.staging = self.stagings[self.replays % 2]
+        self.host = host = self.staging.numpy()
         for i, row in enumerate(rows):
             host[i, TOKEN], host[i, POSITION], host[i, SLOT] = row.token_id, row.position, row.slot
+            host[i, DRAW_ROW] = row.draw_row
             host[i, PAGES : PAGES + len(row.pages)] = row.pages
             host[i, PAGES + len(row.pages) : PAGES + width] = row.pages[-1]
         self._fill_padding(n, size)
-        # one transfer; the pinned rows are not written again before this step's logits are read
+        # one transfer; these pinned rows are not written again before the next step landed
         self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        if last_draws is not None and any(row.draw_row >= 0 for row in rows):
+            draw_rows = self.inputs[:n, DRAW_ROW]
+            taken = last_draws[draw_rows.clamp(0, last_draws.shape[0] - 1)]
+            self.inputs[:n, TOKEN] = torch.where(draw_rows >= 0, taken, self.inputs[:n, TOKEN])
         if self.engram_rows:
             began = time.perf_counter()
             fetched = self.model.engram_rows([r.slot for r in rows], [r.token_id for r in rows],

@@ -8,6 +8,15 @@
 - report: hints the next step's Engram rows, builds the StepResult (with the prefix disk tier's moves
   that finished since the last step: worker/prefix_tiers.py).
 
+`launch` runs prepare, forward and sample and returns as soon as they are queued: the draws stay on
+the device, their copy to the host under way (worker/sampler.py `Draws`), and `result()` of the
+returned step reads them and reports. The next plan may be launched before that (overlapped
+scheduling): its decode chunks whose input is PENDING_TOKEN take the token this runner drew for their
+request in the step launched before, on the device. Nothing in a launch waits for the device (inputs go
+through pinned memory, models/transfer.py), except a step with echo logprobs, which reads them at
+once. V4.1's Engram rows are hashed from the step's tokens on the host, so a runner with Engram layers
+takes no pending inputs (`pending_inputs` False: the engine plans its decodes after their draws land).
+
 The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
 the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
 
@@ -27,12 +36,13 @@ request), and accept drafts while each equals the token drawn before it.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from contract import (
+    PENDING_TOKEN,
     TIER_MOVES,
     ChunkResult,
     EngramStats,
@@ -49,9 +59,10 @@ from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
+from models.transfer import on_device
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
 from worker.prefix_tiers import DiskTier, HostTier, Tickets
-from worker.sampler import NOT_DRAWABLE, DrawRow, prompt_logprobs, sample_rows
+from worker.sampler import NOT_DRAWABLE, DrawRow, Draws, draw_rows, prompt_logprobs
 
 # a plan with no chunks but tier moves in flight waits this long at most for a completion (blocking on
 # the completions queue, not spinning), so an engine waiting only on the disk tier neither spins nor stalls
@@ -71,8 +82,29 @@ class StepContext:
     batch: ForwardBatch | None = None  # otherwise the eager forward's flat batch (neither: nothing to compute)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its wanted rows' logits
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk could not be computed or drawn
+    drawing: list[ScheduledChunk] = field(default_factory=list)  # the chunks drawn, in the rows of `draws`
+    draws: Draws | None = None
     sampled: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LastDraws:
+    """The draws of the step launched last: the next plan's PENDING_TOKEN inputs are taken from them."""
+
+    rows: dict[str, int]  # request id -> its row of `tokens`
+    tokens: torch.Tensor  # [n] int64 on the device
+
+
+@dataclass
+class LaunchedRunnerStep:
+    """A step `ModelRunner.launch` queued; `result()` reads its draws and reports (once)."""
+
+    runner: "ModelRunner"
+    step: StepContext
+
+    def result(self) -> StepResult:
+        return self.runner._report(self.step)
 
 
 class ModelRunner:
@@ -113,6 +145,8 @@ class ModelRunner:
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
+        self.pending_inputs = model.config.engram is None  # Engram rows are hashed from host tokens
+        self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
                   and not deterministic and tp.world_size == 1)
@@ -152,10 +186,14 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: the stages below, in order, over one StepContext."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> LaunchedRunnerStep:
+        """Queues prepare, forward and sample; the step's `result()` waits for its draws and reports."""
         step = self._prepare(plan)
         self._forward(step)
         self._sample(step)
-        return self._report(step)
+        return LaunchedRunnerStep(self, step)
 
     # -- prepare ----------------------------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> StepContext:
@@ -168,10 +206,36 @@ class ModelRunner:
             self.cache.hold_hot([(c.pages, c.position + len(c.token_ids)) for c in computed])
             step.graph_rows = self._graph_rows(computed)
             if step.graph_rows is None:
-                step.batch = ForwardBatch.build(
-                    [(c.slot, list(c.token_ids), c.position, list(c.pages)) for c in computed], logits=step.logit_rows
-                )
+                step.batch = self._pending_resolved(ForwardBatch.build(
+                    [(c.slot, [max(t, 0) for t in c.token_ids], c.position, list(c.pages)) for c in computed],
+                    logits=step.logit_rows,
+                ), computed)
         return step
+
+    def _draw_row(self, chunk: ScheduledChunk) -> int:
+        """The row of the last step's draws that a chunk's PENDING_TOKEN input is (-1: its token is known).
+        A request without a draw there failed in that step: its chunk computes token 0 and its result
+        is not applied."""
+        if chunk.token_ids[-1] != PENDING_TOKEN:
+            return -1
+        if len(chunk.token_ids) != 1:
+            raise ValueError(f"chunk of {chunk.request_id}: only a one-token decode chunk may have a pending input")
+        last = self._last_draws
+        return last.rows.get(chunk.request_id, -1) if last is not None else -1
+
+    def _pending_resolved(self, batch: ForwardBatch, computed: list[ScheduledChunk]) -> ForwardBatch:
+        """The eager batch with its PENDING_TOKEN inputs taken from the last step's draws, on the device."""
+        pending = [(batch_chunk.start, row) for chunk, batch_chunk in zip(computed, batch.chunks)
+                   if (row := self._draw_row(chunk)) >= 0]
+        if not pending:
+            return batch
+        assert self._last_draws is not None
+        batch = batch.to(self.logits.device)
+        token_ids = batch.token_ids.clone()
+        flat, rows = zip(*pending)
+        device = token_ids.device
+        token_ids[on_device(flat, torch.long, device)] = self._last_draws.tokens[on_device(rows, torch.long, device)]
+        return replace(batch, token_ids=token_ids)
 
     def _copy_prefix_state(self, plan: StepPlan) -> None:
         """In docs/prefix-tiers.md's order: spills (they free GPU slots and pages the plan may hand out
@@ -212,7 +276,7 @@ class ModelRunner:
         that holds it), else None."""
         if self.graphs is None or any(len(c.token_ids) != 1 for c in computed):
             return None
-        rows = [DecodeRow(c.slot, c.token_ids[0], c.position, c.pages) for c in computed]
+        rows = [DecodeRow(c.slot, max(c.token_ids[0], 0), c.position, c.pages, self._draw_row(c)) for c in computed]
         return rows if self.graphs.fits(rows) else None
 
     @staticmethod
@@ -233,7 +297,7 @@ class ModelRunner:
 
     def _replay(self, step: StepContext) -> None:
         """The decode graph over the step: one logits row per chunk (if it wants one)."""
-        logits = self.graphs.run(step.graph_rows)
+        logits = self.graphs.run(step.graph_rows, self._last_draws.tokens if self._last_draws is not None else None)
         failed = self._engram_failures(len(step.graph_rows))
         for index, (chunk, wanted) in enumerate(zip(step.computed, step.logit_rows)):
             step.logits[chunk.request_id] = logits[index : index + len(wanted)]
@@ -263,7 +327,7 @@ class ModelRunner:
             return
         sampling = [c for c in step.computed if c.sample]
         if sampling:
-            slots = torch.tensor([c.slot for c in sampling], device=self.last_logits.device)
+            slots = on_device([c.slot for c in sampling], torch.long, self.last_logits.device)
             self.last_logits[slots] = torch.stack([step.logits[c.request_id][-1] for c in sampling])
 
     # -- sample -----------------------------------------------------------------------------------
@@ -271,15 +335,14 @@ class ModelRunner:
         """Every sampling chunk's draw in one batch, then the echo logprobs of the chunks that ask. A
         row the sampler cannot draw (non-finite logits or distribution) fails its own request only."""
         drawing = [c for c in step.plan.chunks if c.sample and c.request_id not in step.errors]
+        self._last_draws = None
         if drawing:
             logits = torch.stack([self._sampling_logits(step, chunk) for chunk in drawing])
             rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids, c.token_bitmask)
                     for c in drawing]
-            for chunk, token in zip(drawing, sample_rows(logits, rows)):
-                if token is None:
-                    step.errors[chunk.request_id] = NOT_DRAWABLE
-                else:
-                    step.sampled[chunk.request_id] = token
+            step.drawing, step.draws = drawing, draw_rows(logits, rows, step.plan.draw_seed)
+            step.draws.copy_out()
+            self._last_draws = LastDraws({c.request_id: i for i, c in enumerate(drawing)}, step.draws.tokens)
         for chunk in step.computed:
             if chunk.logprob_targets and chunk.request_id not in step.errors:
                 step.prompt_logprobs[chunk.request_id] = prompt_logprobs(
@@ -292,6 +355,12 @@ class ModelRunner:
 
     # -- report -----------------------------------------------------------------------------------
     def _report(self, step: StepContext) -> StepResult:
+        if step.draws is not None:
+            for chunk, token in zip(step.drawing, step.draws.read()):
+                if token is None:
+                    step.errors[chunk.request_id] = NOT_DRAWABLE
+                else:
+                    step.sampled[chunk.request_id] = token
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
         return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))

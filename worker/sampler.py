@@ -24,6 +24,12 @@ Every other step is exact per element or reduces within a row, so each row comes
 Rows are independent draws with their own draw index, so a multi-token step (drafts to verify, a
 later issue) can put several rows of one request into one call.
 
+`draw_rows` leaves the step's draws on the device (`Draws`), their copy to the host started without
+waiting (pinned memory, an event), so that overlapped scheduling can launch the next step, whose
+decode inputs are these tokens (PENDING_TOKEN), before the host reads them (`Draws.read`). Unseeded rows
+draw from a generator seeded by the plan's `draw_seed` when it has one, so every tensor-parallel rank
+draws the same tokens; its parameter tensors reach the device without blocking (models/transfer.py).
+
 A row that cannot be drawn (its raw logits, its adjusted logits or its filtered distribution are not
 finite: NaN, +inf, or every token excluded) comes back as None, so that its request fails alone
 (worker/runner.py) and the step goes on: a NaN probability would make the batch's multinomial raise
@@ -38,13 +44,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from contract import SamplingParams, TokenLogprob
 from kernels import stable_topk
 from kernels.argmax import argmax_logprob
+from models.transfer import on_device
 
 # why a row that comes back as None fails its request (the client reads it)
 NOT_DRAWABLE = ("the next token cannot be sampled: the logits, or the distribution the sampling parameters "
@@ -98,19 +105,63 @@ def sample(
     return sample_rows(logits[None], [row])[0]
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow]) -> list[TokenLogprob | None]:
+def sample_rows(logits: torch.Tensor, rows: Sequence[DrawRow], seed: int = 0) -> list[TokenLogprob | None]:
     """logits [n, vocab] float32, row i drawn as rows[i] asks -> each row's token and logprobs, or None
     for a row whose logits or distribution are not finite (its request fails; the others are drawn)."""
+    return draw_rows(logits, rows, seed).read()
+
+
+@dataclass
+class Draws:
+    """A step's draws on the device, on their way to the host: `tokens` [n] feeds the next step's
+    pending inputs; `read` waits for the copy and reports each row (None: not drawable)."""
+
+    tokens: torch.Tensor  # [n] int64
+    chosen: torch.Tensor  # [n] float32: each token's raw logprob, NaN where the row could not be drawn
+    top_n: list[int]  # per row: top logprobs asked (0: none)
+    top_values: torch.Tensor | None = None  # [rows asking, max top_n] of those rows, in row order
+    top_ids: torch.Tensor | None = None
+    _host: list[torch.Tensor] = field(default_factory=list)
+    _ready: torch.cuda.Event | None = None
+
+    def copy_out(self) -> None:
+        """Starts the copy to the host (pinned, in stream order) without waiting for it."""
+        tensors = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+        if self.tokens.device.type != "cuda":
+            return
+        self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def read(self) -> list[TokenLogprob | None]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            tokens, chosen, *tops = self._host
+        else:
+            tokens, chosen, *tops = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+        top_rows = iter(zip(tops[1].tolist(), tops[0].tolist())) if tops else iter(())
+        reported: list[TokenLogprob | None] = []
+        for token, logprob, top_n in zip(tokens.tolist(), chosen.tolist(), self.top_n):
+            top = ()
+            if top_n:
+                ids, values = next(top_rows)
+                top = tuple(zip(ids[:top_n], values[:top_n]))
+            reported.append(TokenLogprob(token_id=token, logprob=logprob, top=top) if math.isfinite(logprob) else None)
+        return reported
+
+
+def draw_rows(logits: torch.Tensor, rows: Sequence[DrawRow], seed: int = 0) -> Draws:
+    """`sample_rows`' draws, left on the device; `seed` (nonzero) seeds the unseeded rows' generator."""
+    top_n = [row.params.logprobs or 0 for row in rows]
     if all(row.plain and not row.params.logprobs for row in rows):  # greedy, nothing but the chosen logprob
         tokens, chosen = argmax_logprob(logits)  # a NaN / inf row shows in its chosen logprob
-        return [TokenLogprob(token_id=token, logprob=logprob) if math.isfinite(logprob) else None
-                for token, logprob in zip(tokens.tolist(), chosen.tolist())]
+        return Draws(tokens, chosen, top_n)
     logprobs = torch.log_softmax(logits, dim=-1)
     if all(row.plain for row in rows):
         tokens, drawable = torch.argmax(logits, dim=-1), None  # a NaN / inf row shows in its chosen logprob
     else:
-        tokens, drawable = _draw(_adjusted(logits, rows), rows)
-    return _reported(logprobs, tokens, drawable, rows)
+        tokens, drawable = _draw(_adjusted(logits, rows), rows, seed)
+    return _reported(logprobs, tokens, drawable, top_n)
 
 
 def _adjusted(logits: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
@@ -140,10 +191,11 @@ def _mask_bitmask(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
     vocab = logits.shape[-1]
     width = -(-vocab // 32)  # the words that cover the vocabulary
     padded = [[*mask[:width], *[0] * (width - len(mask))] for mask in (rows[i].token_bitmask for i in index)]
-    words = torch.tensor(padded, dtype=torch.int32, device=logits.device)
+    words = on_device(padded, torch.int32, logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(index), width * 32)[:, :vocab].bool()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    at = _index(logits, index)
+    logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
 
 
 def _allow_only(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
@@ -154,7 +206,8 @@ def _allow_only(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
     allowed = torch.zeros(len(index), logits.shape[-1], dtype=torch.bool, device=logits.device)
     entries = [(j, token) for j, i in enumerate(index) for token in rows[i].params.allowed_token_ids]
     allowed[_at(logits, *zip(*entries))] = True
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    at = _index(logits, index)
+    logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
 
 
 def _add_bias(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
@@ -177,13 +230,14 @@ def _penalize_repeats(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
     if not index:
         return
     seen_at = [(j, t) for j, i in enumerate(index) for t in (*rows[i].prompt_token_ids, *rows[i].output_token_ids)]
-    picked = logits[index]
+    at = _index(logits, index)
+    picked = logits[at]
     seen = torch.zeros_like(picked, dtype=torch.bool)
     if seen_at:
         seen[_at(logits, *zip(*seen_at))] = True
     penalty = _floats(logits, [rows[i].params.repetition_penalty for i in index])[:, None]
     penalized = torch.where(picked > 0, picked / penalty, picked * penalty)
-    logits[index] = torch.where(seen, penalized, picked)
+    logits[at] = torch.where(seen, penalized, picked)
 
 
 def _penalize_counts(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
@@ -198,10 +252,11 @@ def _penalize_counts(logits: torch.Tensor, rows: Sequence[DrawRow]) -> None:
                       accumulate=True)
     frequency = _floats(logits, [rows[i].params.frequency_penalty for i in index])[:, None]
     presence = _floats(logits, [rows[i].params.presence_penalty for i in index])[:, None]
-    logits[index] = logits[index] - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+    at = _index(logits, index)
+    logits[at] = logits[at] - (frequency * counts + presence * (counts > 0).to(logits.dtype))
 
 
-def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token (greedy rows the argmax, the others a draw from their filtered distribution)
     and whether it could be drawn. A greedy row's argmax lands on a NaN or +inf if it has one (or on
     -inf if every token is), so its chosen logit is finite exactly when the row is usable; a drawn row
@@ -210,15 +265,17 @@ def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> tuple[torch.Tensor
     drawable = torch.empty(len(rows), dtype=torch.bool, device=adjusted.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
-        picked = adjusted[greedy]
+        at = _index(adjusted, greedy)
+        picked = adjusted[at]
         best = torch.argmax(picked, dim=-1)
-        tokens[greedy] = best
-        drawable[greedy] = torch.isfinite(picked.gather(1, best[:, None])[:, 0])
+        tokens[at] = best
+        drawable[at] = torch.isfinite(picked.gather(1, best[:, None])[:, 0])
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
-        probs = _filtered(adjusted[drawn], [rows[i].params for i in drawn]).softmax(-1)
+        at = _index(adjusted, drawn)
+        probs = _filtered(adjusted[at], [rows[i].params for i in drawn]).softmax(-1)
         finite = torch.isfinite(probs).all(dim=-1)
-        drawable[drawn] = finite
+        drawable[at] = finite
         first_token = torch.zeros_like(probs)
         first_token[:, 0] = 1.0
         probs = torch.where(finite[:, None], probs, first_token)
@@ -232,8 +289,12 @@ def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow]) -> tuple[torch.Tensor
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
         if unseeded:
             generator = torch.Generator(device=probs.device)
-            generator.seed()
-            tokens[[drawn[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1, generator=generator)[:, 0]
+            if seed:
+                generator.manual_seed(seed)
+            else:
+                generator.seed()
+            picked = probs if len(unseeded) == len(drawn) else probs[_index(probs, unseeded)]
+            tokens[_index(tokens, [drawn[j] for j in unseeded])] = torch.multinomial(picked, 1, generator=generator)[:, 0]
     return tokens, drawable
 
 
@@ -251,53 +312,53 @@ def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     vocab = logits.shape[-1]
     top_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k:
-        picked = logits[top_k]
-        ranks = torch.tensor([params[j].top_k - 1 for j in top_k], device=logits.device)[:, None]
+        at = _index(logits, top_k)
+        picked = logits[at]
+        ranks = on_device([params[j].top_k - 1 for j in top_k], torch.long, logits.device)[:, None]
         kth = torch.sort(picked, dim=-1, descending=True).values.gather(1, ranks)
-        logits[top_k] = picked.masked_fill(picked < kth, float("-inf"))
+        logits[at] = picked.masked_fill(picked < kth, float("-inf"))
     min_p = [j for j, p in enumerate(params) if p.min_p > 0]
     if min_p:
-        picked = logits[min_p]
+        at = _index(logits, min_p)
+        picked = logits[at]
         probs = picked.softmax(-1)
         floor = _floats(logits, [params[j].min_p for j in min_p])[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits[min_p] = picked.masked_fill(probs < floor, float("-inf"))
+        logits[at] = picked.masked_fill(probs < floor, float("-inf"))
     top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if top_p:
-        picked = logits[top_p]
+        at = _index(logits, top_p)
+        picked = logits[at]
         sorted_probs, order = torch.sort(picked.softmax(-1), dim=-1, descending=True, stable=True)
         before = torch.stack([row.cumsum(-1) for row in sorted_probs]) - sorted_probs  # per row: see the docstring
         outside = before > _floats(logits, [params[j].top_p for j in top_p])[:, None]
-        logits[top_p] = picked.masked_fill(torch.zeros_like(outside).scatter(1, order, outside), float("-inf"))
+        logits[at] = picked.masked_fill(torch.zeros_like(outside).scatter(1, order, outside), float("-inf"))
     return logits
 
 
-def _reported(
-    logprobs: torch.Tensor, tokens: torch.Tensor, drawable: torch.Tensor | None, rows: Sequence[DrawRow]
-) -> list[TokenLogprob | None]:
-    """Each row's token with its raw logprob and, where asked, its top-N: three host reads a step. A
-    row that could not be drawn, or whose raw logits are not finite, has a non-finite chosen logprob
-    and comes back as None."""
+def _reported(logprobs: torch.Tensor, tokens: torch.Tensor, drawable: torch.Tensor | None, top_n: list[int]) -> Draws:
+    """Each row's token with its raw logprob and, where asked, its top-N (three host reads a step,
+    when the draws are read). A row that could not be drawn, or whose raw logits are not finite, has a
+    non-finite chosen logprob and reads as None."""
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     if drawable is not None:
         chosen = torch.where(drawable, chosen, math.nan)
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
-    tops: dict[int, tuple[tuple[int, float], ...]] = {}
-    if wanted:
-        n = max(rows[i].params.logprobs for i in wanted)
-        values, ids = stable_topk(logprobs[wanted], n)
-        for i, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist()):
-            top_n = rows[i].params.logprobs
-            tops[i] = tuple(zip(row_ids[:top_n], row_values[:top_n]))
-    return [TokenLogprob(token_id=token, logprob=logprob, top=tops.get(i, ())) if math.isfinite(logprob) else None
-            for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist()))]
+    wanted = [i for i, n in enumerate(top_n) if n]
+    if not wanted:
+        return Draws(tokens, chosen, top_n)
+    values, ids = stable_topk(logprobs if len(wanted) == len(top_n) else logprobs[_index(logprobs, wanted)], max(top_n))
+    return Draws(tokens, chosen, top_n, values, ids)
+
+
+def _index(like: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Row indices on `like`'s device (indexing with a list would copy them there blocking)."""
+    return on_device(rows, torch.long, like.device)
 
 
 def _at(like: torch.Tensor, rows: Sequence[int], columns: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) index tensors on `like`'s device."""
-    return (torch.tensor(rows, dtype=torch.long, device=like.device),
-            torch.tensor(columns, dtype=torch.long, device=like.device))
+    return on_device(rows, torch.long, like.device), on_device(columns, torch.long, like.device)
 
 
 def _floats(like: torch.Tensor, values: Sequence[float]) -> torch.Tensor:
     """One parameter across rows, in `like`'s dtype: the value each row's scalar would have become."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return on_device(values, like.dtype, like.device)

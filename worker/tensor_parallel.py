@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from contract import EngramStats, StepPlan, StepResult, TierDone
+from contract import DoneStep, EngramStats, LaunchedStep, StepPlan, StepResult, TierDone
 from contract.codec import decode_plan, encode_plan
 from contract.launch_env import external_rank, launched_externally
 
@@ -213,19 +213,32 @@ class WorkerPool:
                 return
 
     # -- ModelExecutor ---------------------------------------------------------------------------
+    @property
+    def pending_inputs(self) -> bool:
+        """Each rank resolves a PENDING_TOKEN input from its own draws, which the plan's draw_seed keeps
+        equal on every rank."""
+        return self.runner.pending_inputs
+
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Sends the plan to the other ranks and queues rank 0's step. With several ranks rank 0's step
+        runs to its end here (its collectives pace it with the others), so a rank failure surfaces as
+        this step's; the engine still plans the next step while the ranks compute the next one's plan
+        is sent."""
         if self._dead is not None:
             raise RankFailure(self._dead)
-        if self.channel is not None:
-            try:
-                self.channel.send(plan)
-                result = self.runner.execute(plan)
-            except RuntimeError as exc:  # a collective failed: a peer died or timed out
-                self._dead = self._dead or f"tensor-parallel step failed: {exc}"
-                self.unhealthy = self._dead
-                raise RankFailure(self._dead) from exc
-            return self._with_lost(result)
-        return self.runner.execute(plan)
+        if self.channel is None:
+            return self.runner.launch(plan)
+        try:
+            self.channel.send(plan)
+            result = self.runner.execute(plan)
+        except RuntimeError as exc:  # a collective failed: a peer died or timed out
+            self._dead = self._dead or f"tensor-parallel step failed: {exc}"
+            self.unhealthy = self._dead
+            raise RankFailure(self._dead) from exc
+        return DoneStep(self._with_lost(result))
 
     def _with_lost(self, result: StepResult) -> StepResult:
         """The step's result with the moves the last restart lost reported failed (once)."""
