@@ -79,8 +79,10 @@ class EngineCore:
                  structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None,
                  flush_s: float = FLUSH_S, overlap: bool = False) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
-        self.overlap = overlap
-        scheduler.pending_inputs = overlap and executor.pending_inputs
+        # an executor that takes no pending inputs (V4.1's Engram) would only plan empty steps between
+        # its decodes: it runs serially (measured on the H200: 32 streams 4.5k tok/s overlapped, 6.7k serial)
+        self.overlap = overlap and executor.pending_inputs
+        scheduler.pending_inputs = self.overlap
         self._in_flight: InFlight | None = None  # the step launched and not landed yet (overlap only)
         self.structured = structured  # None: constrained requests are refused
         self.catalog = catalog  # None: no prefix disk tier
