@@ -124,12 +124,14 @@ class Draws:
     _host: list[torch.Tensor] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+
     def copy_out(self) -> None:
         """Starts the copy to the host (pinned, in stream order) without waiting for it."""
-        tensors = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
         if self.tokens.device.type != "cuda":
             return
-        self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self._host = [t.to("cpu", non_blocking=True) for t in self._tensors()]
         self._ready = torch.cuda.Event()
         self._ready.record()
 
@@ -138,7 +140,7 @@ class Draws:
             self._ready.synchronize()
             tokens, chosen, *tops = self._host
         else:
-            tokens, chosen, *tops = [t for t in (self.tokens, self.chosen, self.top_values, self.top_ids) if t is not None]
+            tokens, chosen, *tops = self._tensors()
         top_rows = iter(zip(tops[1].tolist(), tops[0].tolist())) if tops else iter(())
         reported: list[TokenLogprob | None] = []
         for token, logprob, top_n in zip(tokens.tolist(), chosen.tolist(), self.top_n):

@@ -224,9 +224,8 @@ class WorkerPool:
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Sends the plan to the other ranks and queues rank 0's step. With several ranks rank 0's step
-        runs to its end here (its collectives pace it with the others), so a rank failure surfaces as
-        this step's; the engine still plans the next step while the ranks compute the next one's plan
-        is sent."""
+        runs to its end here (its collectives pace it with the others), so that a rank failure surfaces
+        as this step's; each rank still resolves the next plan's pending inputs from its own draws."""
         if self._dead is not None:
             raise RankFailure(self._dead)
         if self.channel is None:
