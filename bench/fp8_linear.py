@@ -3,12 +3,14 @@
 one run (JSON lines), so the dispatch threshold in kernels/fp8_linear.py is a measured choice.
 
     python -m bench.fp8_linear [--m 1 8 32 256 2048 8192] [--blocks 128 32] [--replays 5] [--configs]
+                               [--paths splitk splitk_config ...]
 
 Shapes (N, K): V4-Flash (128 x 128 blocks) q_a 1024x4096, q_b 32768x1024, o_b 4096x8192, shared-expert
 gate/up 2048x4096; V4.1-Flash (32 x 32 blocks) q_b 32768x1280, o_b 5120x8192, shared gate/up 2304x5120.
 Weights: random, quantized with power-of-two (UE8M0) block scales as released; x random bf16 (fresh
 per shape, never zeros). Paths:
-- splitk: `fp8_linear_triton`, today's decode kernel (16 x 32 tiles, K split to ~264 programs).
+- splitk: `fp8_linear_triton`, today's decode kernel (its DECODE_CONFIGS row for the block and M).
+- splitk_config: the same kernel per `SPLITK_CONFIGS` row (--configs, M <= 32); the summary names the best.
 - reference: `fp8_linear_reference` (dequantize W, bf16 F.linear): today's path for M > 256.
 - cublas_bf16: F.linear on a W dequantized ahead of time (cuBLAS bf16 ceiling, no dequant cost).
 - tc: `fp8_linear_tc` (Triton, W decoded in registers, bf16 tensor cores), per tile config.
@@ -41,6 +43,8 @@ from bench.slice_roofline import copy_bandwidth, matmul_ceiling
 from kernels.fp8_linear import (
     TC_CONFIG,
     W8A8_CONFIG,
+    DecodeConfig,
+    decode_config,
     dequantize_fp8_blocks_triton,
     fp8_linear,
     fp8_linear_dequant,
@@ -58,6 +62,16 @@ SHAPES = {
 }
 TC_CONFIGS = [TC_CONFIG, (64, 128, 128, 4, 3), (128, 256, 64, 8, 3)]
 W8A8_CONFIGS = [W8A8_CONFIG, (128, 256, 128, 8, 3)]
+# the split-K decode kernel's configs swept at M <= 32 under --configs (kernels/fp8_linear.DECODE_CONFIGS
+# takes the best): output columns, K step, programs aimed at, warps, stages; per scale block
+SPLITK_CONFIGS = {
+    128: [DecodeConfig(*c) for c in ((32, 128, 264, 4, 3), (64, 128, 264, 4, 3), (32, 256, 264, 4, 3),
+                                     (32, 128, 528, 4, 3), (64, 256, 528, 4, 3), (32, 128, 264, 4, 4),
+                                     (64, 128, 528, 4, 4), (128, 128, 264, 4, 3))],
+    32: [DecodeConfig(*c) for c in ((32, 32, 264, 4, 3), (32, 64, 264, 4, 3), (32, 128, 264, 4, 3),
+                                    (64, 128, 264, 4, 3), (32, 128, 528, 4, 3), (64, 256, 528, 4, 3),
+                                    (64, 128, 528, 4, 4))],
+}
 L2_BYTES = 60 << 20
 
 
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 32])
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--configs", action="store_true", help="sweep the tile configs (else the defaults only)")
+    parser.add_argument("--paths", nargs="+", default=None, help="only these paths (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -134,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(m, k, device="cuda", generator=generator).bfloat16()
                 truth = x.double() @ w64.t()
                 calls = 20 if m <= 256 else 3
-                paths = [("splitk", None, lambda w, s: fp8_linear_triton(x, w, s, block)),
+                paths = [("splitk", tuple(decode_config(block, m)), lambda w, s: fp8_linear_triton(x, w, s, block)),
                          ("reference", None, lambda w, s: fp8_linear_reference(x, w, s, block)),
                          ("dispatch", None, lambda w, s: fp8_linear(x, w, s, block))]
+                for config in (SPLITK_CONFIGS[block] if args.configs and m <= 32 else []):
+                    paths.append(("splitk_config", tuple(config),
+                                  lambda w, s, c=config: fp8_linear_triton(x, w, s, block, c)))
                 for config in (TC_CONFIGS if args.configs else [TC_CONFIG]):
                     paths.append(("tc", config, lambda w, s, c=config: fp8_linear_tc(x, w, s, block, c)))
                 for config in (W8A8_CONFIGS if args.configs else [W8A8_CONFIG]):
@@ -147,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                     paths.append((scaled_name, None, lambda w, s: fp8_linear_scaled_mm(x, w, s, block)))
                     paths.append(("quantize_x_only", None, lambda w, s: quantize_fp8_groups(x, 128)))
                 paths.append(("cublas_bf16", None, "dense"))
-                for name, config, fn in paths:
+                for name, config, fn in [p for p in paths if args.paths is None or p[0] in args.paths]:
                     row = {"bench": "fp8_linear", "block": block, "shape": shape, "n": n, "k": k, "m": m,
                            "path": name, "config": config}
                     try:
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def summary(rows: list[dict]) -> None:
     """The fastest config of each path per (block, shape, M): ms (rel_err x 1e3) per path."""
-    names = ["splitk", "dispatch", "dequant_cublas", "reference", "tc", "w8a8", "scaled_mm", "cublas_bf16", "dequant_only"]
+    names = ["splitk", "splitk_config", "dispatch", "dequant_cublas", "reference", "tc", "w8a8", "scaled_mm", "cublas_bf16", "dequant_only"]
     print("block shape m | " + " | ".join(names) + "   (ms, rel_err x 1e3)")
     keys = sorted({(r["block"], r["shape"], r["m"]) for r in rows}, key=lambda t: (-t[0], t[1], t[2]))
     for key in keys:
@@ -187,7 +205,8 @@ def summary(rows: list[dict]) -> None:
                 cells.append("-")
                 continue
             best = min(got, key=lambda r: r["ms"])
-            cells.append(f"{best['ms']:.4f} ({1e3 * best.get('rel_err', 0):.1f})")
+            cell = f"{best['ms']:.4f} ({1e3 * best.get('rel_err', 0):.1f})"
+            cells.append(cell + (f" {best['config']}" if name == "splitk_config" else ""))
         print(f"{key[0]} {key[1]} {key[2]} | " + " | ".join(cells), flush=True)
 
 

@@ -10,6 +10,9 @@ it replaces, so a dispatch threshold is a measured choice.
   tensor-core kernels of kernels/moe_mxfp4.py (decode: `by_expert`, scanning; prefill: `sorted`, and
   the reference's dequantizing loop), each with every upcast of `UPCASTS` (`dot_scaled`, the bit
   decode, the PTX decode) over a sweep of block shapes; bytes are the distinct experts' packed bytes.
+- mxfp4_decode: the scanning kernels' tiles, pipelining depths and K shares for 1..32 tokens (the
+  defaults DECODE_BLOCKS / DECODE_SPLITS come from its `.best` lines), bytes/s against the copy bandwidth.
+- router: the router's logits grid (LOGITS_CONFIG comes from its `.best` lines).
 - attention: decode attention over window 128 + 512 selected entries, 64 heads of 512: Triton vs
   the torch reference, per batch size.
 Times are CUDA-event medians of --repeats calls after 5 warm-up calls.
@@ -23,11 +26,13 @@ import statistics
 
 import torch
 
+from bench.fp8_linear import time_graph
 from bench.slice_roofline import timed_ms
 from kernels.attention import decode_attention_reference, decode_attention_triton
 from kernels.moe import MXFP4Experts, experts_grouped, experts_pairwise, experts_reference
-from kernels.moe_mxfp4 import UPCASTS, experts_by_expert, experts_sorted
+from kernels.moe_mxfp4 import UPCASTS, Tile, decode_splits, experts_by_expert, experts_sorted
 from kernels.quant import quantize_mxfp4
+from kernels.router import LOGITS_CONFIG, LogitsConfig, route_triton
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -121,6 +126,89 @@ def bench_moe_mxfp4(repeats: int) -> None:
                               "bytes_per_s": nbytes / ms * 1e3, "rel_err": error}), flush=True)
 
 
+# the decode sweeps time CUDA graphs of GRAPH_CALLS calls (a replay has no host launch cost, as in a
+# captured decode step), cycling through inputs that together exceed the 60 MB L2
+GRAPH_CALLS = 20
+ROUTINGS = 4  # expert choices cycled by the MXFP4 decode sweep
+ROUTER_COPIES = 40  # router weights (2 MB each) cycled by the router sweep
+
+
+def sweep_mxfp4_decode(repeats: int) -> None:
+    """The scanning MXFP4 kernels' decode knobs (kernels/moe_mxfp4.py DECODE_BLOCKS, DECODE_SPLITS): tile
+    and pipelining depth x K shares of (gate_up, down), 1..32 tokens, PTX upcast; bytes/s against the
+    copy bandwidth of this run. The summary line per token count names the fastest (tile, shares)."""
+    from bench.slice_roofline import copy_bandwidth
+
+    copy = copy_bandwidth("cuda", 4 << 30)
+    print(json.dumps({"bench": "kernels.copy", **copy}), flush=True)
+    generator = torch.Generator("cuda").manual_seed(4)
+    experts_total, dim, inter, top_k = 256, 4096, 2048, 6
+    gate_up, down = _mxfp4_layer(generator, experts_total, dim, inter)
+    per_expert = sum(w.codes[0].numel() + w.scales[0].numel() for w in (gate_up, down))
+    tiles = [Tile(16, 128, 128, 4, stages) for stages in (2, 3, 4)] + [Tile(16, 64, 128, 4, 3), Tile(16, 128, 256, 4, 3),
+                                                                        Tile(16, 64, 256, 4, 3)]
+    shares = [(1, 1), (2, 1), (2, 2), (4, 2), (8, 4)]
+    for tokens in (1, 2, 4, 8, 16, 32):
+        x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
+        routings = [torch.rand(tokens, experts_total, device="cuda", generator=generator).topk(top_k, dim=-1).indices
+                    for _ in range(ROUTINGS)]
+        weights = torch.rand(tokens, top_k, device="cuda", generator=generator)
+        nbytes = statistics.mean(int(e.unique().numel()) for e in routings) * per_expert
+        want = experts_reference(x, weights, routings[0], gate_up, down, 0, 10.0, False)
+        best = None
+        for tile in tiles:
+            for split in shares:
+                row = {"bench": "kernels.mxfp4_decode", "tokens": tokens, "tile": list(tile), "splits": list(split),
+                       "default_splits": list(decode_splits(tokens * top_k))}
+
+                def call(i: int, tile: Tile = tile, split: tuple[int, int] = split):
+                    return lambda: experts_by_expert(x, weights, routings[i], gate_up, down, 0, 10.0, False,
+                                                     blocks={"gate_up": tile, "down": tile}, upcast="ptx", splits=split)
+                try:
+                    row["rel_err"] = float((call(0)() - want).abs().max() / want.abs().max())
+                    row["ms"] = time_graph(call, ROUTINGS, GRAPH_CALLS, max(3, repeats // 10))
+                except Exception as exc:  # a shape the compiler refuses: reported, the sweep goes on
+                    row["failed"] = repr(exc)[:300]
+                    print(json.dumps(row), flush=True)
+                    continue
+                row.update(bytes=nbytes, bytes_per_s=nbytes / row["ms"] * 1e3,
+                           of_copy_bw=nbytes / row["ms"] * 1e3 / copy["bytes_per_s"])
+                print(json.dumps(row), flush=True)
+                if best is None or row["ms"] < best["ms"]:
+                    best = row
+        print(json.dumps({**best, "bench": "kernels.mxfp4_decode.best"}), flush=True)
+
+
+def sweep_router(repeats: int) -> None:
+    """The router's logits grid (kernels/router.py LogitsConfig) at V4-Flash widths (256 experts x 4096,
+    top-6, hashed and not), 1..32 tokens; the summary line per token count names the fastest."""
+    generator = torch.Generator("cuda").manual_seed(5)
+    experts_total, dim, top_k = 256, 4096, 6
+    bias = torch.randn(experts_total, device="cuda", generator=generator)
+    configs = [LOGITS_CONFIG] + [LogitsConfig(e, k, s, w) for e in (8, 16, 32) for k, s in
+                                 ((512, 1), (512, 2), (512, 4), (256, 8), (512, 8), (256, 16)) for w in (4,)]
+    copies = [torch.randn(experts_total, dim, device="cuda", generator=generator).bfloat16() for _ in range(ROUTER_COPIES)]
+    for tokens in (1, 8, 32):
+        x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
+        ids = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+        best = None
+        for config in configs:
+            def call(i: int, config: LogitsConfig = config):
+                return lambda: route_triton(x, copies[i], ids, top_k, 1.0, 1.5, True, bias=bias, config=config)
+            row = {"bench": "kernels.router", "tokens": tokens, "config": list(config),
+                   "default": config == LOGITS_CONFIG}
+            try:
+                row["ms"] = time_graph(call, ROUTER_COPIES, GRAPH_CALLS, max(3, repeats // 10))
+            except Exception as exc:
+                row["failed"] = repr(exc)[:300]
+                print(json.dumps(row), flush=True)
+                continue
+            print(json.dumps(row), flush=True)
+            if best is None or row["ms"] < best["ms"]:
+                best = row
+        print(json.dumps({**best, "bench": "kernels.router.best"}), flush=True)
+
+
 def bench_attention(repeats: int) -> None:
     generator = torch.Generator("cuda").manual_seed(1)
     heads, dim, n_keys = 64, 512, 128 + 512
@@ -134,7 +222,8 @@ def bench_attention(repeats: int) -> None:
             print(json.dumps({"bench": "kernels.attention", "path": name, "batch": batch, "keys": n_keys, "ms": ms}), flush=True)
 
 
-BENCHES = {"moe": (bench_moe, sweep_pairwise_blocks), "moe_mxfp4": (bench_moe_mxfp4,), "attention": (bench_attention,)}
+BENCHES = {"moe": (bench_moe, sweep_pairwise_blocks), "moe_mxfp4": (bench_moe_mxfp4,),
+           "mxfp4_decode": (sweep_mxfp4_decode,), "router": (sweep_router,), "attention": (bench_attention,)}
 
 
 def main() -> None:

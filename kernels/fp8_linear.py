@@ -4,11 +4,14 @@
 Decode reads every weight once a step, so keeping W in fp8 halves the bytes a bf16 copy would take.
 - `fp8_linear_reference`: dequantize W, then F.linear in x's dtype (the CPU path; allocates W in full).
 - `fp8_linear_triton`: one program per (rows of x, block of output columns, share of K) tile; it
-  streams its W tile in `block`-wide steps of K, scales each row of the tile by its block's scale as it
-  converts it to x's dtype, and accumulates tl.dot in float32. W is never materialised in bf16. A decode
-  step has one tile of rows, so K is split until ~2 programs run per SM (a 4096-wide projection would
-  otherwise be 64 programs); the shares' float32 partial sums are added in a fixed order, not by atomics,
-  so a result does not depend on timing (graph replays equal eager runs bitwise).
+  streams its W tile in steps of BLOCK_K columns of K, scales each row of the tile by its blocks' scales
+  as it converts it to x's dtype, and accumulates tl.dot in float32. W is never materialised in bf16. A
+  decode step has one tile of rows, so K is split until the grid holds `DecodeConfig.programs` programs
+  (a 4096-wide projection would otherwise be 64); the shares' float32 partial sums are added in a fixed
+  order by one small kernel, not by atomics, so a result does not depend on timing (graph replays equal
+  eager runs bitwise), nor on the batch while the rows fit one tile. Its tile, K step, grid size, warps
+  and pipelining depth are `DECODE_CONFIGS` (by block size and rows), picked by bench.kernels' fp8_decode
+  sweep.
 Both round each product of W's values and scales to x's dtype first, so they differ only in the order
 of the float32 accumulation.
 - `fp8_linear_dequant` (x above TRITON_MAX_ROWS rows: prefill, decode batches): one Triton pass writes
@@ -23,6 +26,8 @@ of the float32 accumulation.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -36,12 +41,38 @@ try:
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
-BLOCK_M, BLOCK_N = 16, 32  # rows of x (tl.dot's smallest) and output columns per program
-TARGET_PROGRAMS = 264  # two per SM of an H200
+BLOCK_M = 16  # rows of x per program (tl.dot's smallest)
+
+
+class DecodeConfig(NamedTuple):
+    """The split-K kernel's shape: output columns per program, K columns per step (a multiple or a
+    divisor of the scale block), the programs the K split aims at (it stops at one K step a share),
+    warps, and software-pipelining depth (num_stages)."""
+
+    block_n: int
+    block_k: int
+    programs: int
+    warps: int = 4
+    stages: int = 3
+
+
+# Per scale block, (up to this many rows, config) rows, the first that holds x's rows applies (x above
+# TRITON_MAX_ROWS never comes here). From `python -m bench.fp8_linear --configs --m 1 8 32` on the H200
+# (BENCHMARKS.md, twelfth session): summed over the V4-Flash / V4.1-Flash projection shapes, 64-column
+# tiles stepping 128 of K, K split to two programs an SM, were the fastest at 1 and 8 rows for both
+# block sizes (47.3 us against 53.3 for the 32-column tiles with 128 blocks, 48.5 against 150.7 for
+# 32 x 32 blocks stepped one block at a time); at 32 rows with 32 blocks, four programs an SM and four
+# stages (77.0 us against 91.0).
+DECODE_CONFIGS: dict[int, tuple[tuple[int, DecodeConfig], ...]] = {
+    128: ((32, DecodeConfig(64, 128, 264, 4, 3)),),
+    32: ((16, DecodeConfig(64, 128, 264, 4, 3)), (32, DecodeConfig(64, 128, 528, 4, 4))),
+}
+SUM_BLOCK = 1024  # output elements per program of the kernel that adds the K shares
 # Rows of x up to which the split-K kernel runs, per block size; above, W is dequantized to x's dtype by
 # a Triton pass and cuBLAS multiplies (bench/fp8_linear.py, H200: with 128 blocks split-K wins at 32 rows
-# on all four V4-Flash shapes and loses at 256; with 32 blocks the dequant path wins at 32 on all three).
-TRITON_MAX_ROWS = {128: 32, 32: 16}
+# on all four V4-Flash shapes and loses at 256; with 32 blocks, once stepped 128 of K at a time, split-K
+# takes 77 us at 32 rows over the three V4.1-Flash shapes against the dequant path's 152).
+TRITON_MAX_ROWS = {128: 32, 32: 32}
 # Opt-in: x quantized to e4m3 per 1 x 128 group (the release's dynamic activations) and torch's blockwise
 # FP8 GEMM (cuBLASLt, sm90, CUDA >= 12.9) above SCALED_MM_MIN_ROWS rows, 128 x 128 blocks only. Not the
 # reference's function (~2.5% relative error from e4m3's rounding of x), so off unless set.
@@ -115,54 +146,107 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return F.linear(x, dequantize_fp8_blocks(weight, scale, block).to(x.dtype))
 
 
-def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+def decode_config(block: int, rows: int) -> DecodeConfig:
+    """The split-K kernel's config for `rows` rows of x and `block` x `block` scales (DECODE_CONFIGS;
+    a block size it lacks takes the 128 rows' shape with one scale block a K step)."""
+    table = DECODE_CONFIGS.get(block)
+    if table is None:
+        config = DECODE_CONFIGS[128][-1][1]
+        return config._replace(block_k=block)
+    return next((config for most, config in table if rows <= most), table[-1][1])
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+                      config: DecodeConfig | None = None) -> torch.Tensor:
+    """`fp8_linear_reference` by the split-K kernel; `config` None: decode_config(block, rows)."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    k_steps = triton.cdiv(k, block)
-    split = max(1, min(k_steps, TARGET_PROGRAMS // max(tiles, 1)))
+    config = config or decode_config(block, m)
+    if config.block_k % block and block % config.block_k:
+        raise ValueError(f"K step {config.block_k}: a multiple or a divisor of the {block} scale block")
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    k_steps = triton.cdiv(k, config.block_k)
+    split = max(1, min(k_steps, config.programs // max(tiles, 1)))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split)
-        hw = not _interpreting()
-        _fp8_linear_kernel[grid](rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial,
-                                 m, n, k, scale.shape[1], steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 HW_CVT=hw, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
-    return partial.sum(dim=0).to(x.dtype).view(*x.shape[:-1], n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not m:
+        return out.view(*x.shape[:-1], n)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    hw = not _interpreting()
+    _fp8_linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n), split)](
+        rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial, m, n, k, scale.shape[1],
+        steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.warps,
+        num_stages=config.stages,
+    )
+    if split > 1:
+        _sum_shares_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, split, BLOCK=SUM_BLOCK, num_warps=4)
+    return out.view(*x.shape[:-1], n)
 
 
 if triton is not None:
 
     @triton.jit
+    def _scaled_w_tile(w_ptr, scale_ptr, cols, in_cols, start, k, k_blocks, dtype, BLOCK: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr):
+        """W[cols, start:start + BLOCK_K] as `dtype`, each value times its block's scale and rounded
+        (the reference's rounding); columns past k read as 0. BLOCK_K a divisor of BLOCK: one scale a
+        row; a multiple: SUB = BLOCK_K / BLOCK of them."""
+        inner = start + tl.arange(0, BLOCK_K)
+        raw = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
+                      mask=in_cols[:, None] & (inner < k)[None, :], other=0.0)
+        if HW_CVT:  # the GPU's e4m3 -> float conversion (exact, NaN kept); the interpreter decodes bits
+            w = raw.to(tl.float32)
+        else:
+            w = _e4m3_to_float(raw.to(tl.int32))
+        SUB: tl.constexpr = BLOCK_K // BLOCK if BLOCK < BLOCK_K else 1
+        if SUB == 1:
+            s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
+            w = w * s[:, None]
+        else:
+            sub = start // BLOCK + tl.arange(0, SUB)
+            s = tl.load(scale_ptr + (cols // BLOCK)[:, None] * k_blocks + sub[None, :],
+                        mask=in_cols[:, None] & (sub < k_blocks)[None, :], other=0.0)
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+        return w.to(dtype)
+
+    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split"])
     def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, steps_per_split, BLOCK: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (i, j, s): rows tile i, columns tile j, K blocks [s * steps_per_split, ...) ->
-        float32 partial sums out[s, rows, cols]."""
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        """Program (i, j, s): rows tile i, columns tile j, K steps [s * steps_per_split, ...) -> the
+        float32 partial sums out[s, rows, cols], or with one share (a grid of one along axis 2) y itself
+        in out's dtype. m, k_blocks and the steps are not specialized on (one compiled kernel for every
+        decode batch and split); the shares start at multiples of BLOCK_K, so the loads keep their
+        vector width."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(2)
         in_rows, in_cols = rows < m, cols < n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        first = share * steps_per_split * BLOCK
-        for start in range(first, tl.minimum(first + steps_per_split * BLOCK, k), BLOCK):
-            inner = start + tl.arange(0, BLOCK)
-            in_inner = inner < k
+        first = share * steps_per_split * BLOCK_K
+        for start in range(first, tl.minimum(first + steps_per_split * BLOCK_K, k), BLOCK_K):
+            inner = start + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
-                         mask=in_rows[:, None] & in_inner[None, :], other=0.0)
-            raw = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
-                          mask=in_cols[:, None] & in_inner[None, :], other=0.0)
-            if HW_CVT:  # the GPU's e4m3 -> float conversion (exact, NaN kept); the interpreter decodes bits
-                w = raw.to(tl.float32)
-            else:
-                w = _e4m3_to_float(raw.to(tl.int32))
-            s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
-            w = (w * s[:, None]).to(xs.dtype)
+                         mask=in_rows[:, None] & (inner < k)[None, :], other=0.0)
+            w = _scaled_w_tile(w_ptr, scale_ptr, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
+                               HW_CVT)
             acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
         out = out_ptr + share.to(tl.int64) * m * n
-        tl.store(out + rows[:, None].to(tl.int64) * n + cols[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
+        tl.store(out + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=in_rows[:, None] & in_cols[None, :])
+
+    @triton.jit(do_not_specialize=["size", "shares"])
+    def _sum_shares_kernel(partial_ptr, out_ptr, size, shares, BLOCK: tl.constexpr):
+        """out = sum over the shares of partial[share] (in share order, float32), rounded to out's dtype."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < size
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for share in range(0, shares):
+            total += tl.load(partial_ptr + offsets + share * size, mask=inside, other=0.0)  # int64: offsets
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Large-M paths (prefill, large decode batches): tensor-core tiles, one program per output tile.
@@ -268,33 +352,19 @@ if triton is not None:
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr):
         """One [BLOCK_M, BLOCK_N] output tile over all of K, BLOCK_K at a time; W's tile decoded and
-        scaled in registers (a scale per BLOCK-wide slice of K: SUB of them when BLOCK < BLOCK_K)."""
+        scaled in registers (_scaled_w_tile)."""
         tile_m, tile_n = _tile_of(m, n, BLOCK_M, BLOCK_N, GROUP_M)
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows, in_cols = rows < m, cols < n
-        SUB: tl.constexpr = BLOCK_K // BLOCK if BLOCK < BLOCK_K else 1
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, k, BLOCK_K):
             inner = start + tl.arange(0, BLOCK_K)
-            in_inner = inner < k
             xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
-                         mask=in_rows[:, None] & in_inner[None, :], other=0.0)
-            raw = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + inner[None, :],
-                          mask=in_cols[:, None] & in_inner[None, :], other=0.0)
-            if HW_CVT:
-                w = raw.to(tl.float32)
-            else:
-                w = _e4m3_to_float(raw.to(tl.int32))
-            if SUB == 1:
-                s = tl.load(scale_ptr + (cols // BLOCK) * k_blocks + start // BLOCK, mask=in_cols, other=0.0)
-                w = w * s[:, None]
-            else:
-                sub = start // BLOCK + tl.arange(0, SUB)
-                s = tl.load(scale_ptr + (cols // BLOCK)[:, None] * k_blocks + sub[None, :],
-                            mask=in_cols[:, None] & (sub < k_blocks)[None, :], other=0.0)
-                w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
-            acc += tl.dot(xs, tl.trans(w.to(xs.dtype)), input_precision=PRECISION, out_dtype=tl.float32)
+                         mask=in_rows[:, None] & (inner < k)[None, :], other=0.0)
+            w = _scaled_w_tile(w_ptr, scale_ptr, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
+                               HW_CVT)
+            acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=in_rows[:, None] & in_cols[None, :])
 

@@ -72,22 +72,32 @@ def hc_mixes_triton(
 if triton is not None:
 
     @triton.jit
-    def _hc_mixes_kernel(logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr):
-        token = tl.program_id(0)
-        row = logits_ptr + token * (2 + N) * N
+    def _mixes(pre_l, post_l, comb_l, base_ptr, scale_ptr, hc_eps, iters, N: tl.constexpr):
+        """hc_mixes_reference on one token's logits (pre [N], post [N], comb [N, N], comb[j, k] at
+        logit 2N + j * N + k): both kernels below run this one body, so they agree bit for bit."""
         i = tl.arange(0, N)
-        pre = tl.sigmoid(tl.load(row + i) * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
-        post = 2 * tl.sigmoid(tl.load(row + N + i) * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i))
-        tl.store(pre_ptr + token * N + i, pre)
-        tl.store(post_ptr + token * N + i, post)
-        square = i[:, None] * N + i[None, :]  # comb[j, k] at logit 2N + j * N + k
-        comb = tl.load(row + 2 * N + square) * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + square)
+        square = i[:, None] * N + i[None, :]
+        pre = tl.sigmoid(pre_l * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+        post = 2 * tl.sigmoid(post_l * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i))
+        comb = comb_l * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + square)
         comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
         comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         for _ in range(iters - 1):
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        return pre, post, comb
+
+    @triton.jit
+    def _hc_mixes_kernel(logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr):
+        token = tl.program_id(0)
+        row = logits_ptr + token * (2 + N) * N
+        i = tl.arange(0, N)
+        square = i[:, None] * N + i[None, :]
+        pre, post, comb = _mixes(tl.load(row + i), tl.load(row + N + i), tl.load(row + 2 * N + square), base_ptr,
+                                 scale_ptr, hc_eps, iters, N)
+        tl.store(pre_ptr + token * N + i, pre)
+        tl.store(post_ptr + token * N + i, post)
         tl.store(comb_ptr + token * N * N + square, comb)
 
 
@@ -214,8 +224,8 @@ if triton is not None:
     def _hc_finish_kernel(partial_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
                           collapsed_ptr, width, dim, norm_eps, hc_eps, iters, N: tl.constexpr, SPLITS: tl.constexpr,
                           OWN_PRE: tl.constexpr, BLOCK: tl.constexpr):
-        """One token: the splits summed, the norm's scale applied, the mixes (as _hc_mixes_kernel), then
-        the collapse with this site's pre (OWN_PRE) or the given one."""
+        """One token: the splits summed, the norm's scale applied, the mixes (`_mixes`), then the
+        collapse with this site's pre (OWN_PRE) or the given one."""
         token = tl.program_id(0)
         stride = (2 + N) * N + 1
         rows = partial_ptr + token * SPLITS * stride + tl.arange(0, SPLITS)[:, None] * stride
@@ -227,17 +237,9 @@ if triton is not None:
         post_l = tl.sum(tl.load(rows + N + i[None, :]), axis=0) * inv
         flat = tl.arange(0, N * N)
         comb_l = tl.reshape(tl.sum(tl.load(rows + 2 * N + flat[None, :]), axis=0) * inv, (N, N))
-        pre = tl.sigmoid(pre_l * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
-        post = 2 * tl.sigmoid(post_l * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i))
+        pre, post, comb = _mixes(pre_l, post_l, comb_l, base_ptr, scale_ptr, hc_eps, iters, N)
         tl.store(pre_ptr + token * N + i, pre)
         tl.store(post_ptr + token * N + i, post)
-        comb = comb_l * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + square)
-        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-        comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + token * N * N + square, comb)
         if OWN_PRE:
             weights = pre

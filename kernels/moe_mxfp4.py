@@ -13,17 +13,25 @@ Two ways to find an expert's pairs, one kernel body:
 - decode (`experts_by_expert`, up to MAX_SCAN_PAIRS pairs): program (pair, row block) works only if its
   pair is the (j x BLOCK_M)-th one routed to its expert; it scans the step's expert ids for that
   expert's next BLOCK_M pairs. No sort, no host sync, two launches per layer (plus a memset): a decode
-  step can be captured.
+  step can be captured. At a few tokens that leaves most SMs idle (6 experts x 16 row blocks of 128 is
+  96 programs for 132 SMs), so each GEMM can also split K into shares (`DECODE_SPLITS`, by pair count):
+  the shares' float32 partial sums go to a [shares, pairs, rows] buffer and one small kernel adds them
+  in share order (then SiLU * up for gate_up, whose activation needs the whole sum; for down the
+  routing weights and the sum over a token's k experts, in slot order). No atomics, no sync: still
+  capturable, and a replay gives its eager run's bits.
 - prefill (`experts_sorted`): the pairs sorted by expert in torch and cut into blocks of BLOCK_M pairs
   of one expert (a grouped GEMM over sorted tokens).
 Each pair's output row depends only on its own activations and its expert (the K order is fixed), so
-the sums are the same whichever pairs share a tile: deterministic and batch-invariant. Activations go
-to the tensor cores as bf16, as the bf16 model computes them; accumulation is float32.
+the sums are the same whichever pairs share a tile: deterministic, and batch-invariant as long as the
+K shares are (a DECODE_SPLITS row that changes them with the pair count changes the rounding between
+batch sizes; deterministic mode runs the reference loop anyway, models/moe.py). Activations go to the
+tensor cores as bf16, as the bf16 model computes them; accumulation is float32.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -42,30 +50,61 @@ MAX_SCAN_PAIRS = 1024
 # how the codes become bf16 for the tensor cores (the first two also run in Triton's interpreter; "ptx"
 # is inline PTX, compiled for the GPU only)
 UPCASTS = ("dot_scaled", "bits", "ptx")
-# (pairs, output rows, K step, warps) per program, and the upcast, from bench.kernels' moe_mxfp4 sweep
-# on the H200 (BENCHMARKS.md): the PTX upcast was the fastest at every size; decode 16 x 128 x 128 (the
-# best from 1 to 128 tokens: 1.6x the bit decode's best at 32), prefill 64 x 64 x 128 (best from 32 to
-# 2048 tokens, 13% behind 128 x 128 x 128 with 8 warps at 8192)
-Blocks = dict[str, tuple[int, int, int, int]]
-DECODE_BLOCKS: Blocks = {"gate_up": (16, 128, 128, 4), "down": (16, 128, 128, 4)}
-PREFILL_BLOCKS: Blocks = {"gate_up": (64, 64, 128, 4), "down": (64, 64, 128, 4)}
+# expert ids a scanning program reads per step of its scan (one step up to 42 tokens at top-6)
+SCAN_CHUNK = 256
+# output columns per program of the kernels that add the K shares
+REDUCE_BLOCK = 256
+
+
+class Tile(NamedTuple):
+    """One GEMM's program: pairs x output rows x K step, warps, and software-pipelining depth (Triton's
+    num_stages: how many K steps of codes, scales and activations are in flight through shared memory
+    while one is multiplied; 3 is Triton's default on CUDA). A plain 4-tuple is a Tile of 3 stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+
+
+# Tile per GEMM and the upcast, from bench.kernels' moe_mxfp4 sweep on the H200 (BENCHMARKS.md): the PTX
+# upcast was the fastest at every size; prefill 64 x 64 x 128 (best from 32 to 2048 tokens, 13% behind
+# 128 x 128 x 128 with 8 warps at 8192). Decode from `--only mxfp4_decode` (CUDA-graph replays, four
+# routings cycled; twelfth session): 16 x 128 x 128 with 2 stages was the best tile from 2 to 32 tokens
+# (1062 us at 32 against 1084 with 3 stages) and within 4% of the best at 1 token.
+Blocks = dict[str, tuple[int, ...]]
+DECODE_BLOCKS: Blocks = {"gate_up": Tile(16, 128, 128, 4, 2), "down": Tile(16, 128, 128, 4, 2)}
+PREFILL_BLOCKS: Blocks = {"gate_up": Tile(64, 64, 128, 4, 3), "down": Tile(64, 64, 128, 4, 3)}
+# K shares of the decode GEMMs by pair count: (up to this many pairs, gate_up shares, down shares), the
+# first row that holds the step's pairs applies; 1 runs the fused kernel (no partial sums). From the
+# same sweep at top-6 (so 6 pairs are 1 token): 1 token 82.7 us with (2, 1) against 93.7 unsplit (3
+# stages), 2 tokens 128.9 with (4, 2) against 150.9, 4 tokens 216.5 with (2, 1) against 223.6; from 8
+# tokens on no split was the fastest.
+DECODE_SPLITS: tuple[tuple[int, int, int], ...] = ((6, 2, 1), (12, 4, 2), (24, 2, 1), (MAX_SCAN_PAIRS, 1, 1))
 
 
 def experts_by_expert(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
     first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = DECODE_BLOCKS,
-    upcast: str | None = None,
+    upcast: str | None = None, splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`experts_reference`'s contract (kernels/moe.py) for bf16 x and MXFP4 weights, at most
-    MAX_SCAN_PAIRS pairs. `upcast`: one of UPCASTS (None: "ptx", or "bits" in Triton's interpreter)."""
+    MAX_SCAN_PAIRS pairs. `upcast`: one of UPCASTS (None: "ptx", or "bits" in Triton's interpreter);
+    `splits`: K shares of (gate_up, down), at most one a K step (None: DECODE_SPLITS' row)."""
     tokens, k = experts.shape
     pairs = tokens * k
     if pairs > MAX_SCAN_PAIRS:
         raise ValueError(f"{pairs} (token, expert) pairs: the scanning kernels take at most {MAX_SCAN_PAIRS}")
     expert_of = _local_experts(experts, first, gate_up.shape[0])
-    table = _ScanTable(expert_of, pairs, triton.next_power_of_2(pairs))
+    table = _ScanTable(expert_of, pairs)
     return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
-                _checked(upcast))
+                _checked(upcast), splits or decode_splits(pairs))
+
+
+def decode_splits(pairs: int) -> tuple[int, int]:
+    """(gate_up, down) K shares for a decode step of `pairs` pairs, from DECODE_SPLITS."""
+    return next((gate_up, down) for most, gate_up, down in DECODE_SPLITS if pairs <= most)
 
 
 def experts_sorted(
@@ -81,7 +120,7 @@ def experts_sorted(
     if blocks["down"][0] != blocks["gate_up"][0]:
         raise ValueError("the sorted kernels share one block table: gate_up and down need the same BLOCK_M")
     return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
-                _checked(upcast))
+                _checked(upcast), (1, 1))
 
 
 def _interpreting() -> bool:
@@ -109,8 +148,8 @@ class _ScanTable:
 
     SORTED = False
 
-    def __init__(self, expert_of: torch.Tensor, pairs: int, pairs_pow2: int) -> None:
-        self.expert_of, self.programs, self.pairs_pow2 = expert_of, pairs, pairs_pow2
+    def __init__(self, expert_of: torch.Tensor, pairs: int) -> None:
+        self.expert_of, self.programs = expert_of, pairs
         self.order = self.block_expert = self.block_start = self.block_end = expert_of  # unused operands
 
 
@@ -123,7 +162,7 @@ class _SortedTable:
     def __init__(self, order: torch.Tensor, block_expert: torch.Tensor, block_start: torch.Tensor,
                  block_end: torch.Tensor) -> None:
         self.order, self.block_expert, self.block_start, self.block_end = order, block_expert, block_start, block_end
-        self.programs, self.pairs_pow2 = block_expert.numel(), 1
+        self.programs = block_expert.numel()
         self.expert_of = order
 
     @classmethod
@@ -152,7 +191,7 @@ class _SortedTable:
 def _run(
     x: torch.Tensor, weights: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
     gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
-    blocks: Blocks, upcast: str,
+    blocks: Blocks, upcast: str, splits: tuple[int, int],
 ) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 tensor-core experts take bf16 activations, got {x.dtype}")
@@ -162,25 +201,51 @@ def _run(
     inter = double_inter // 2
     x = x.contiguous()
     weight = torch.where(expert_of >= 0, weights.flatten().float(), 0.0).contiguous()
+    tables = (expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight)
+    shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting())
+    tile = Tile(*blocks["gate_up"])
+    shares, share_steps = _shares(dim, tile.block_k, splits[0])
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
-    out = torch.zeros(pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' pairs stay 0
-    shared = dict(SORTED=table.SORTED, PAIRS_POW2=table.pairs_pow2, UPCAST=upcast, F32_DOT=_interpreting())
-    block_m, block_n, block_k, warps = blocks["gate_up"]
-    _gate_up_kernel[(table.programs, triton.cdiv(inter, block_n))](
-        x, expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight,
-        gate_up.codes, gate_up.scales, hidden, pairs, k, dim, inter, limit, weight_before_down,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **shared,
+    partial = torch.empty(shares, pairs, double_inter, dtype=torch.float32, device=x.device) if shares > 1 else hidden
+    _gate_up_kernel[(table.programs, triton.cdiv(inter, tile.block_n), shares)](
+        x, *tables, gate_up.codes, gate_up.scales, partial, pairs, k, dim, inter, share_steps, limit, weight_before_down,
+        SPLIT=shares > 1, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages, **shared,
     )
-    block_m, block_n, block_k, warps = blocks["down"]
-    _down_kernel[(table.programs, triton.cdiv(dim, block_n))](
-        hidden, expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight,
-        down.codes, down.scales, out, pairs, dim, inter, weight_before_down,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **shared,
+    if shares > 1:
+        _swiglu_shares_kernel[(pairs, triton.cdiv(inter, REDUCE_BLOCK))](
+            partial, expert_of, weight, hidden, pairs, inter, shares, limit, weight_before_down, BLOCK=REDUCE_BLOCK,
+            num_warps=4,
+        )
+    tile = Tile(*blocks["down"])
+    shares, share_steps = _shares(inter, tile.block_k, splits[1])
+    if shares == 1:
+        out = torch.zeros(pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' pairs stay 0
+    else:
+        out = torch.empty(shares, pairs, dim, dtype=torch.float32, device=x.device)
+    _down_kernel[(table.programs, triton.cdiv(dim, tile.block_n), shares)](
+        hidden, *tables, down.codes, down.scales, out, pairs, dim, inter, share_steps, weight_before_down,
+        SPLIT=shares > 1, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
+        num_stages=tile.stages, **shared,
     )
-    return out.view(tokens, k, dim).sum(dim=1)
+    if shares == 1:
+        return out.view(tokens, k, dim).sum(dim=1)
+    summed = torch.empty(tokens, dim, dtype=torch.float32, device=x.device)
+    _combine_shares_kernel[(tokens, triton.cdiv(dim, REDUCE_BLOCK))](
+        out, expert_of, weight, summed, pairs, dim, shares, k, weight_before_down, BLOCK=REDUCE_BLOCK, num_warps=4,
+    )
+    return summed
+
+
+def _shares(width: int, block_k: int, wanted: int) -> tuple[int, int]:
+    """(shares, K steps per share) for a K of `width`: at most `wanted` shares, none empty."""
+    steps = triton.cdiv(width, block_k)
+    per = triton.cdiv(steps, max(1, min(wanted, steps)))
+    return triton.cdiv(steps, per), per
 
 
 if triton is not None:
+    _SCAN = tl.constexpr(SCAN_CHUNK)
 
     @triton.jit
     def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -280,11 +345,13 @@ if triton is not None:
 
     @triton.jit
     def _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, pairs,
-                     SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+                     SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
         """(expert or -1 for no work, the block's pair ids [BLOCK_M], which of them exist) for
         program_id(0). Scanning: program p works if its pair is the (j x BLOCK_M)-th routed to its
         expert (counted in pair order) and takes that expert's next BLOCK_M pairs, so every expert's
-        pairs are covered once, one block per program, without a sort."""
+        pairs are covered once, one block per program, without a sort. The ids are read SCAN_CHUNK at a
+        time (one compiled kernel for every pair count): a pass for the pair's rank and its expert's
+        count, a second for the pairs of its block."""
         program = tl.program_id(0)
         slot = tl.arange(0, BLOCK_M)
         if SORTED:
@@ -293,36 +360,58 @@ if triton is not None:
             valid = rows < tl.load(block_end_ptr + program)
             pair = tl.load(order_ptr + rows, mask=valid, other=0)
         else:
-            index = tl.arange(0, PAIRS_POW2)
-            ids = tl.load(expert_of_ptr + index, mask=index < pairs, other=-1)
             expert = tl.load(expert_of_ptr + program)
-            mine = (ids == expert).to(tl.int32)
-            rank = tl.cumsum(mine, 0) - 1
-            first = tl.sum(tl.where(index < program, mine, 0))  # this pair's rank among its expert's
-            expert = tl.where(first % BLOCK_M == 0, expert, -1)
+            first = 0  # this pair's rank among its expert's pairs
+            count = 0  # its expert's pairs in the step
+            for start in range(0, pairs, _SCAN):
+                index = start + tl.arange(0, _SCAN)
+                mine = (tl.load(expert_of_ptr + index, mask=index < pairs, other=-1) == expert).to(tl.int32)
+                first += tl.sum(tl.where(index < program, mine, 0))
+                count += tl.sum(mine)
             wanted = first + slot
-            chosen = (mine[None, :] == 1) & (rank[None, :] == wanted[:, None])
-            pair = tl.sum(tl.where(chosen, index[None, :], 0), axis=1)
-            valid = wanted < tl.sum(mine)
+            pair = tl.zeros([BLOCK_M], dtype=tl.int32)
+            seen = 0
+            for start in range(0, pairs, _SCAN):
+                index = start + tl.arange(0, _SCAN)
+                mine = (tl.load(expert_of_ptr + index, mask=index < pairs, other=-1) == expert).to(tl.int32)
+                rank = seen + tl.cumsum(mine, 0) - 1
+                chosen = (mine[None, :] == 1) & (rank[None, :] == wanted[:, None])
+                pair += tl.sum(tl.where(chosen, index[None, :], 0), axis=1)
+                seen += tl.sum(mine)
+            expert = tl.where(first % BLOCK_M == 0, expert, -1)
+            valid = wanted < count
         return expert, pair, valid & ((slot * 0 + expert) >= 0)
 
     @triton.jit
+    def _swiglu(gate, up, limit):
+        """The clamped SwiGLU of kernels/moe.py's clamped_swiglu, in float32."""
+        gate = tl.minimum(gate, limit)
+        return gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
+
+    @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _gate_up_kernel(
         x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
-        codes_ptr, scales_ptr, hidden_ptr, pairs, k, dim, inter, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
+        codes_ptr, scales_ptr, out_ptr, pairs, k, dim, inter, share_steps, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
+        SPLIT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        """Program (block, row block, share): gate and up over K steps [share x share_steps, + share_steps). SPLIT:
+        their float32 sums to out[share, pair, rows] and [..., inter + rows]; else the activation (and
+        the routing weight) to out[pair, rows] in bf16."""
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
-                                           block_end_ptr, pairs, SORTED, PAIRS_POW2, BLOCK_M)
+                                           block_end_ptr, pairs, SORTED, BLOCK_M)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < inter
         token = (pair // k).to(tl.int64)
         base = tl.maximum(expert, 0).to(tl.int64) * 2 * inter
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # K steps, not columns, per share: `begin` is then a known multiple of BLOCK_K, which the loads'
+        # vector width (and so their pipelining through cp.async) depends on
+        begin = tl.program_id(2) * share_steps * BLOCK_K
         # no work: no K steps (a bound, not a branch, so the loop stays one the compiler pipelines)
-        for start in range(0, tl.where(expert >= 0, dim, 0), BLOCK_K):
+        for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, dim), begin),
+                           BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + token[:, None] * dim + cols[None, :], mask=valid[:, None] & (cols < dim)[None, :],
                         other=0.0)
@@ -330,33 +419,82 @@ if triton is not None:
                                UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
             up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + rows, in_rows, start, dim,
                              UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
-        gate = tl.minimum(gate, limit)
-        hidden = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
-        if WEIGHT_BEFORE_DOWN:
-            hidden = hidden * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
-        tl.store(hidden_ptr + pair.to(tl.int64)[:, None] * inter + rows[None, :], hidden.to(tl.bfloat16),
-                 mask=valid[:, None] & in_rows[None, :])
+        both = valid[:, None] & in_rows[None, :]
+        if SPLIT:
+            row = out_ptr + (tl.program_id(2).to(tl.int64) * pairs + pair.to(tl.int64))[:, None] * 2 * inter
+            tl.store(row + rows[None, :], gate, mask=both)
+            tl.store(row + inter + rows[None, :], up, mask=both)
+        else:
+            hidden = _swiglu(gate, up, limit)
+            if WEIGHT_BEFORE_DOWN:
+                hidden = hidden * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+            tl.store(out_ptr + pair.to(tl.int64)[:, None] * inter + rows[None, :], hidden.to(tl.bfloat16), mask=both)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _down_kernel(
         hidden_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
-        codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SORTED: tl.constexpr, PAIRS_POW2: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
+        codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, share_steps, WEIGHT_BEFORE_DOWN: tl.constexpr,
+        SPLIT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        """Program (block, row block, share): the down product over K steps [share x share_steps, + share_steps)
+        to out[share, pair, rows] (SPLIT), else times the routing weight to out[pair, rows]."""
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
-                                           block_end_ptr, pairs, SORTED, PAIRS_POW2, BLOCK_M)
+                                           block_end_ptr, pairs, SORTED, BLOCK_M)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < dim
         row_of = pair.to(tl.int64)
         base = tl.maximum(expert, 0).to(tl.int64) * dim
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, tl.where(expert >= 0, inter, 0), BLOCK_K):
+        begin = tl.program_id(2) * share_steps * BLOCK_K
+        for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, inter), begin),
+                           BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             a = tl.load(hidden_ptr + row_of[:, None] * inter + cols[None, :],
                         mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
             acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,
                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
-        if not WEIGHT_BEFORE_DOWN:
+        if SPLIT:
+            row_of += tl.program_id(2).to(tl.int64) * pairs
+        elif not WEIGHT_BEFORE_DOWN:
             acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])
+
+    @triton.jit(do_not_specialize=["pairs", "shares"])
+    def _swiglu_shares_kernel(partial_ptr, expert_of_ptr, weight_ptr, hidden_ptr, pairs, inter, shares, limit,
+                              WEIGHT_BEFORE_DOWN: tl.constexpr, BLOCK: tl.constexpr):
+        """hidden[pair, cols] = SwiGLU of gate / up summed over the shares in share order (another rank's
+        pair: its partial rows were never written, and nothing reads its hidden row)."""
+        pair = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = (cols < inter) & (cols * 0 + tl.load(expert_of_ptr + pair) >= 0)  # a vector: the interpreter's masks
+        gate = tl.zeros([BLOCK], dtype=tl.float32)
+        up = tl.zeros([BLOCK], dtype=tl.float32)
+        for share in range(0, shares):
+            row = partial_ptr + (share * pairs + pair).to(tl.int64) * 2 * inter
+            gate += tl.load(row + cols, mask=inside, other=0.0)
+            up += tl.load(row + inter + cols, mask=inside, other=0.0)
+        hidden = _swiglu(gate, up, limit)
+        if WEIGHT_BEFORE_DOWN:
+            hidden = hidden * tl.load(weight_ptr + pair)
+        tl.store(hidden_ptr + pair.to(tl.int64) * inter + cols, hidden.to(tl.bfloat16), mask=inside)
+
+    @triton.jit(do_not_specialize=["pairs", "shares"])
+    def _combine_shares_kernel(partial_ptr, expert_of_ptr, weight_ptr, out_ptr, pairs, dim, shares, k,
+                               WEIGHT_BEFORE_DOWN: tl.constexpr, BLOCK: tl.constexpr):
+        """out[token, cols] = sum over the token's k slots, in slot order, of (the down product summed
+        over the shares in share order) x its routing weight (unless applied before down); another
+        rank's pair adds 0 (its partial rows were never written)."""
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for slot in range(0, k):
+            pair = token * k + slot
+            inside = (cols < dim) & (cols * 0 + tl.load(expert_of_ptr + pair) >= 0)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for share in range(0, shares):
+                acc += tl.load(partial_ptr + (share * pairs + pair).to(tl.int64) * dim + cols, mask=inside, other=0.0)
+            if not WEIGHT_BEFORE_DOWN:
+                acc = acc * tl.load(weight_ptr + pair)
+            total += acc
+        tl.store(out_ptr + token.to(tl.int64) * dim + cols, total, mask=cols < dim)

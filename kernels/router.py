@@ -6,12 +6,17 @@ the weights are the chosen experts' plain scores, renormalised over them when as
 routed scaling factor. In torch that is ~10 launches a layer (the float32 casts of x and of the
 gate weight among them) plus a stable sort for the top-k: ~29 us a router at decode batch 1 on the
 H200 (`bench.slice families`), for 2 MB of weights. `route` runs it as two Triton kernels on CUDA
-for sqrtsoftplus scores (V4 and V4.1): the logits, one program per (token, block of experts), then
-one program per token for the scores, the top-k (k rounds of a max) and the weights.
+for sqrtsoftplus scores (V4 and V4.1): the logits, one program per (token, block of experts, share of
+the hidden channels), then one program per token that adds the shares' partial logits (a fixed tree,
+so a token's logits do not depend on the batch), the scores, the top-k (k rounds of a max) and the
+weights. The share count is fixed, not chosen by batch size, for the same reason: at batch 1 it is
+what spreads the 2 MB over the SMs (32 programs of 8 experts over all 4096 channels took ~22 us).
 `route_reference` is the torch definition (the CPU path and the test oracle).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,23 @@ SCORE_FUNCTIONS = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda logits: logits.softmax(dim=-1),
 }
-EXPERT_BLOCK = 8  # experts per logits program (256 experts: 32 programs a token)
-K_BLOCK = 512  # hidden channels a logits program reads per iteration
+
+
+class LogitsConfig(NamedTuple):
+    """The logits kernel's grid: experts per program, hidden channels per iteration, shares of the
+    hidden channels (a power of two: the pick kernel adds them as one tile), warps."""
+
+    expert_block: int
+    k_block: int
+    splits: int
+    warps: int = 4
+
+
+# From `python -m bench.kernels --only router` on the H200 (CUDA-graph replays, 40 weight copies cycled
+# past the L2; BENCHMARKS.md, twelfth session): 16 experts x 4 shares of 1024 channels (64 programs a
+# token) took 7.6 / 8.6 / 18.2 us at 1 / 8 / 32 tokens, against 6.6 / 11.7 / 25.4 for 8 x 8 shares of
+# 512; the least summed over the three of 19 grids but one (32 x 8 of 256: 33.4 us against 34.4).
+LOGITS_CONFIG = LogitsConfig(16, 512, 4, 4)
 
 
 def route_reference(
@@ -63,13 +83,18 @@ def route(
 def route_triton(
     x: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, top_k: int, temperature: float, scale: float,
     renormalize: bool, bias: torch.Tensor | None = None, table: torch.Tensor | None = None,
+    config: LogitsConfig = LOGITS_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, dim = x.shape
     experts = weight.shape[0]
+    if config.splits & (config.splits - 1):
+        raise ValueError(f"{config.splits} shares of the hidden channels: a power of two")
     x, weight = x.contiguous(), weight.contiguous()
-    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
-    _router_logits_kernel[(tokens, triton.cdiv(experts, EXPERT_BLOCK))](
-        x, weight, logits, experts, dim, BLOCK_E=EXPERT_BLOCK, BLOCK_K=K_BLOCK, num_warps=4
+    per_share = triton.cdiv(triton.cdiv(dim, config.k_block), config.splits) * config.k_block
+    logits = torch.empty(tokens, config.splits, experts, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(tokens, triton.cdiv(experts, config.expert_block), config.splits)](
+        x, weight, logits, experts, dim, per_share // config.k_block, BLOCK_E=config.expert_block,
+        BLOCK_K=config.k_block, num_warps=config.warps,
     )
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
@@ -78,7 +103,7 @@ def route_triton(
         logits, bias.float().contiguous() if bias is not None else logits,
         table.contiguous() if hashed else ids, token_ids.contiguous() if hashed else ids, weights, ids,
         experts, 1.0 / temperature, scale, K=top_k, KP=triton.next_power_of_2(top_k),
-        BLOCK=triton.next_power_of_2(experts), HASHED=hashed,
+        BLOCK=triton.next_power_of_2(experts), SPLITS=config.splits, HASHED=hashed,
         RENORMALIZE=renormalize, num_warps=4,
     )
     return weights, ids
@@ -86,34 +111,40 @@ def route_triton(
 
 if triton is not None:
 
-    @triton.jit
-    def _router_logits_kernel(x_ptr, weight_ptr, logits_ptr, experts, dim, BLOCK_E: tl.constexpr,
+    @triton.jit(do_not_specialize=["share_steps"])
+    def _router_logits_kernel(x_ptr, weight_ptr, logits_ptr, experts, dim, share_steps, BLOCK_E: tl.constexpr,
                               BLOCK_K: tl.constexpr):
-        """logits[t, e] = sum_d x[t, d] * W[e, d] in float32, for one block of experts."""
-        token, block = tl.program_id(0), tl.program_id(1)
+        """logits[t, s, e] = sum over share s's channels d of x[t, d] * W[e, d] in float32, for one
+        block of experts (a share past the last channel stores zeros)."""
+        token, block, share = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         e = block * BLOCK_E + tl.arange(0, BLOCK_E)
         rows = e < experts
         acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-        for start in range(0, dim, BLOCK_K):
+        begin = share * share_steps * BLOCK_K
+        for start in range(begin, tl.minimum(begin + share_steps * BLOCK_K, dim), BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             inside = k < dim
             xk = tl.load(x_ptr + token.to(tl.int64) * dim + k, mask=inside, other=0.0).to(tl.float32)
             w = tl.load(weight_ptr + e[:, None].to(tl.int64) * dim + k[None, :], mask=rows[:, None] & inside[None, :],
                         other=0.0).to(tl.float32)
             acc += w * xk[None, :]
-        tl.store(logits_ptr + token * experts + e, tl.sum(acc, axis=1), mask=rows)
+        tl.store(logits_ptr + (token * tl.num_programs(2) + share) * experts + e, tl.sum(acc, axis=1), mask=rows)
 
     @triton.jit
     def _router_pick_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, experts,
                             inv_temperature, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                            HASHED: tl.constexpr, RENORMALIZE: tl.constexpr):
-        """One token: sqrtsoftplus scores (softplus as torch: x past 20 is itself, else log1p(e^x), whose
-        small e^x a plain log(1 + e^x) would round away), the experts (its hash row, or k rounds of the
-        largest score + bias, the lowest index on ties), their renormalised, scaled weights."""
+                            SPLITS: tl.constexpr, HASHED: tl.constexpr, RENORMALIZE: tl.constexpr):
+        """One token: its SPLITS partial logits added, sqrtsoftplus scores (softplus as torch: x past 20
+        is itself, else log1p(e^x), whose small e^x a plain log(1 + e^x) would round away), the experts
+        (its hash row, or k rounds of the largest score + bias, the lowest index on ties), their
+        renormalised, scaled weights."""
         token = tl.program_id(0)
         e = tl.arange(0, BLOCK)
         inside = e < experts
-        z = tl.load(logits_ptr + token * experts + e, mask=inside, other=0.0) * inv_temperature
+        shares = tl.arange(0, SPLITS)
+        partial = tl.load(logits_ptr + (token * SPLITS + shares[:, None]) * experts + e[None, :], mask=inside[None, :],
+                          other=0.0)
+        z = tl.sum(partial, axis=0) * inv_temperature
         y = tl.exp(tl.minimum(z, 20.0))
         u = 1.0 + y
         log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # Kahan's log1p: exact to ~1 ulp for small y

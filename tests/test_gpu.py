@@ -508,13 +508,14 @@ def test_mxfp4_ptx_upcast_compiled_is_bitwise_the_reference():
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
-    """The PTX decode through both kernels, with the block shapes of the test above."""
+    """The PTX decode through both kernels, with the block shapes of the test above, K split into
+    shares or not."""
     from kernels.moe_mxfp4 import DECODE_BLOCKS, PREFILL_BLOCKS
     from tests.test_triton_kernels import check_experts_mxfp4_tensor_cores
 
     for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
         check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks,
-                                         upcasts=("ptx",))
+                                         upcasts=("ptx",), splits=(None, (2, 2)))
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS,
                                      upcasts=("ptx",))
 

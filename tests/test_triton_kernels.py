@@ -74,12 +74,13 @@ def test_hc_site_and_merge_kernels_equal_the_reference(n):
 
 
 def check_router(tokens: int, experts: int, dim: int, top_k: int, dtype: torch.dtype, seed: int,
-                 device: str = DEVICE) -> None:
+                 device: str = DEVICE, config=None) -> None:
     """The fused router against the torch ops: hash routing and top-k routing (with ties: equal
     biased scores must pick the lowest index), renormalised or not, a temperature. The logits' float32
     sums run in another order, so weights agree within 1e-5; the experts exactly (scores are spread
-    enough that no two differ by less than the sums' rounding, except the planted exact ties)."""
-    from kernels.router import route_reference, route_triton
+    enough that no two differ by less than the sums' rounding, except the planted exact ties). `config`:
+    the logits kernel's LogitsConfig (None: the default)."""
+    from kernels.router import LOGITS_CONFIG, route_reference, route_triton
 
     generator = torch.Generator(device).manual_seed(seed)
     x = torch.randn(tokens, dim, generator=generator, device=device).to(dtype)
@@ -91,7 +92,7 @@ def check_router(tokens: int, experts: int, dim: int, top_k: int, dtype: torch.d
     for hashed in (True, False):
         for renormalize, temperature in ((True, 1.0), (False, 0.7)):
             args = (x, weight, token_ids, top_k, temperature, 1.5, renormalize)
-            got = route_triton(*args, bias=bias, table=table if hashed else None)
+            got = route_triton(*args, bias=bias, table=table if hashed else None, config=config or LOGITS_CONFIG)
             want = route_reference(*args, "sqrtsoftplus", bias=bias, table=table if hashed else None)
             assert torch.equal(got[1], want[1]), (hashed, renormalize)
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
@@ -124,6 +125,15 @@ def test_argmax_logprob_kernels_equal_the_reference():
 
 def test_router_kernels_equal_the_reference():
     check_router(tokens=3, experts=24, dim=700, top_k=6, dtype=torch.float32, seed=0)
+
+
+def test_router_logits_split_over_channels_equal_the_reference():
+    """The logits kernel's knobs: one share, or more shares than the 700 channels fill (the last ones
+    empty, storing zeros), expert blocks that do not divide the 24 experts."""
+    from kernels.router import LogitsConfig
+
+    for config in (LogitsConfig(16, 128, 1, 4), LogitsConfig(8, 64, 16, 2), LogitsConfig(32, 256, 2, 4)):
+        check_router(tokens=2, experts=24, dim=700, top_k=6, dtype=torch.float32, seed=1, config=config)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -212,11 +222,13 @@ def test_pairwise_experts_kernels_decode_mxfp4_weights():
 
 def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVICE, dim: int = 64, inter: int = 96,
                                      blocks: dict | None = None, routed: tuple[int, int] = (0, 8),
-                                     upcasts: tuple[str, ...] = ("dot_scaled", "bits")) -> None:
+                                     upcasts: tuple[str, ...] = ("dot_scaled", "bits"),
+                                     splits: tuple[tuple[int, int] | None, ...] = (None,)) -> None:
     """kernels/moe_mxfp4.py's decode (scanning) and prefill (sorted) kernels, with each of `upcasts`
     (the GPU test adds "ptx", which the interpreter cannot run), against the reference on MXFP4 weights; this rank holds experts [2, 6) of 8 and the
     tokens choose among experts [routed[0], routed[1]). The tolerance is the reference's bf16 rounding
-    of gate / up, which the kernels keep in float32."""
+    of gate / up, which the kernels keep in float32. `splits`: the decode kernels' (gate_up, down) K
+    shares to try (None: their table's)."""
     from kernels.moe import MXFP4Experts, experts_reference
     from kernels.moe_mxfp4 import experts_by_expert, experts_sorted
     from kernels.quant import quantize_mxfp4
@@ -231,16 +243,51 @@ def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVIC
     for before_down in (False, True):
         args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
         want = experts_reference(*args)
-        for run in (experts_by_expert, experts_sorted):
-            for upcast in upcasts:
-                got = run(*args, blocks=small, upcast=upcast)
-                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+        for upcast in upcasts:
+            runs = [lambda: experts_sorted(*args, blocks=small, upcast=upcast)]
+            runs += [lambda shares=shares: experts_by_expert(*args, blocks=small, upcast=upcast, splits=shares)
+                     for shares in splits]
+            for run in runs:
+                torch.testing.assert_close(run(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
 def test_mxfp4_tensor_core_experts_equal_the_reference():
     """Row and column counts that are not multiples of the blocks; ~18 pairs an expert, more than a
     block of 16 holds (the scanning kernel's second block of an expert); expert 1 is another rank's."""
     check_experts_mxfp4_tensor_cores(tokens=24, seed=3, routed=(1, 5))
+
+
+def test_mxfp4_scanning_experts_split_k_into_shares(monkeypatch):
+    """The decode kernels with K cut into shares (partial sums added by the reduce kernels, SiLU * up
+    after gate_up's): 3 K steps of 32 in 2 shares (a short last one) or 3, an expert another rank's,
+    routing weights before or after down; bitwise the same on a second run (the shares are added in a
+    fixed order, no atomics). The scan reads the expert ids 8 at a time here (SCAN_CHUNK is 256), so
+    the 12 pairs take two chunks."""
+    import kernels.moe_mxfp4 as mx
+    from kernels.moe import MXFP4Experts
+    from kernels.quant import quantize_mxfp4
+
+    monkeypatch.setattr(mx, "_SCAN", 8)  # read at run time by the interpreter
+    check_experts_mxfp4_tensor_cores(tokens=4, seed=4, dim=96, inter=96, routed=(1, 5), upcasts=("bits",),
+                                     splits=((2, 3),))
+    generator = torch.Generator(DEVICE).manual_seed(5)
+    x = torch.randn(2, 96, generator=generator, device=DEVICE).bfloat16()
+    experts = torch.tensor([[2, 3, 1], [5, 2, 4]], device=DEVICE)
+    weights = torch.rand(2, 3, generator=generator, device=DEVICE)
+    gate_up, down = (MXFP4Experts(*quantize_mxfp4(torch.randn(4, rows, 96, generator=generator, device=DEVICE) / 10))
+                     for rows in (192, 96))
+    small = {"gate_up": (16, 32, 32, 4, 2), "down": (16, 32, 32, 4, 2)}
+    run = lambda: mx.experts_by_expert(x, weights, experts, gate_up, down, 2, 1.5, False, blocks=small,  # noqa: E731
+                                       upcast="bits", splits=(3, 2))
+    assert torch.equal(run(), run())
+
+
+def test_mxfp4_decode_split_table_covers_every_scanned_pair_count():
+    from kernels.moe_mxfp4 import DECODE_SPLITS, MAX_SCAN_PAIRS, decode_splits
+
+    assert [row[0] for row in DECODE_SPLITS] == sorted(row[0] for row in DECODE_SPLITS)
+    assert DECODE_SPLITS[-1][0] >= MAX_SCAN_PAIRS
+    assert all(min(decode_splits(pairs)) >= 1 for pairs in range(1, MAX_SCAN_PAIRS + 1))
 
 
 def check_indexer_scores(batch: int, heads: int, dim: int, per_page: int, width: int, store_dtype: torch.dtype,
@@ -291,10 +338,11 @@ def test_unpack_fp4_kernel_is_bitwise_the_reference():
 
 
 def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, device: str = DEVICE, block: int = 128,
-                     path: str = "splitk", config: tuple[int, int, int, int, int] | None = None) -> None:
+                     path: str = "splitk", config: tuple[int, ...] | None = None) -> None:
     """Sizes that are not multiples of the tiles or of the blocks; a weight tile with subnormal and
     negative values; bf16 within bf16's rounding of the reference, float32 close. `path`: "splitk"
-    (fp8_linear_triton, decode) or "tc" (fp8_linear_tc, tensor-core tiles; `config` its tile shape)."""
+    (fp8_linear_triton, decode; `config` its DecodeConfig) or "tc" (fp8_linear_tc, tensor-core tiles;
+    `config` its tile shape)."""
     from kernels.fp8_linear import (
         fp8_linear_reference,
         fp8_linear_tc,
@@ -304,7 +352,7 @@ def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, d
     weight, scale = random_fp8_weight(n, k, block, generator, device)
     x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
     if path == "splitk":
-        got = fp8_linear_triton(x, weight, scale, block)
+        got = fp8_linear_triton(x, weight, scale, block, config)
     else:
         got = fp8_linear_tc(x, weight, scale, block, config)
     want = fp8_linear_reference(x, weight, scale, block)
@@ -341,6 +389,18 @@ def test_fp8_linear_kernel_equals_the_reference():
 def test_fp8_linear_kernel_splits_k_into_shares():
     """One decode row against a long K: the K shares' partial sums add up to the reference."""
     check_fp8_linear(rows=1, n=40, k=1000, dtype=torch.float32, seed=1)
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_split_k_configs_equal_the_reference(block):
+    """The decode kernel's knobs: K steps a divisor, the size and a multiple of the scale block (two
+    or four scales a row a step), one share (no partial sums: y stored by the kernel) or one K step a
+    share, N off the column tile."""
+    from kernels.fp8_linear import DecodeConfig
+
+    for config in (DecodeConfig(16, block // 2, 1, 4, 2), DecodeConfig(32, 128, 10**6, 4, 3),
+                   DecodeConfig(16, 4 * block if block == 32 else 256, 8, 4, 1)):
+        check_fp8_linear(rows=2, n=40, k=700, dtype=torch.float32, seed=block, block=block, config=config)
 
 
 @pytest.mark.parametrize("block", [128, 32])
