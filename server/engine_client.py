@@ -75,15 +75,27 @@ class EngineCall:
             self._open.add(index)
             self._engine.submit(request)
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self._outputs()
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for item in self._outputs(marks=False):
+            assert item is not None, "no marks asked for"
+            yield item
 
-    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def hand_overs(self) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+        """The outputs as iterating the call gives them, with a None each time the next one has not
+        arrived yet (and before a failure is raised): what was read since the last None is one hand-over,
+        which a stream sends as one frame per choice however many engine steps it spans."""
+        return self._outputs(marks=True)
+
+    async def _outputs(self, marks: bool = False) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         self.start()
         try:
             while self._open:
+                if marks and self.queue.empty():
+                    yield None
                 index, output = await self.queue.get()
                 if isinstance(output, Exception):  # `interrupt`: the caller is cut off
+                    if marks:
+                        yield None  # what was read before goes out before the failure
                     raise output
                 if index not in self._open:  # what a request ended at a stop string still had in flight
                     continue

@@ -1,15 +1,15 @@
 """What every streamed endpoint shares: SSE framing, usage so far, and the merged per-choice steps.
 
-`choice_steps` reads one engine call (a request per choice) and yields their outputs as they arrive, each with
-its new text (cut at a stop string, held back inside a UTF-8 character); the endpoint only turns
-steps into its own chunk shape.
+`choice_steps` reads one engine call (a request per choice) and yields, per hand-over of outputs, one step per
+choice with its new tokens and text (cut at a stop string, held back inside a UTF-8 character); the
+endpoint only turns steps into its own chunk shape, one SSE frame each.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -63,14 +63,30 @@ class ChoiceStep:
     first: bool  # the choice's first step
 
 
+def merged(earlier: ChoiceStep, later: ChoiceStep) -> ChoiceStep:
+    """Two consecutive steps of one choice as one: the later's output with both steps' tokens, logprobs
+    and text, the earlier's prompt logprobs and queue time (they come on a request's first output)."""
+    a, b = earlier.output, later.output
+    output = replace(
+        b, new_token_ids=a.new_token_ids + b.new_token_ids, new_logprobs=a.new_logprobs + b.new_logprobs,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
+        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens))
+    return ChoiceStep(later.index, output, earlier.text + later.text, later.finish_reason, earlier.first)
+
+
 async def choice_steps(
     call: EngineCall, texts: list[IncrementalText], usage: StreamUsage, choices_per_prompt: int,
     interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[ChoiceStep]:
-    """Steps of every choice of `call` until all have finished, read from the call's one queue. A
-    choice that reaches a stop string ends there and its engine request is aborted. Raises
-    RequestFailed (the engine failed a request), the engine client's exception, or ServerShuttingDown
-    once `interrupt` is set (the drain timed out); the engine requests still open are then aborted."""
+    """Steps of every choice of `call` until all have finished, read from the call's one queue: per
+    hand-over (what arrived while the stream was busy, one engine step when it keeps up) one step per
+    choice with all its new tokens, so a stream that falls behind frames less often instead of falling
+    further behind (vLLM's output collector merges the same way). A choice that reaches a stop string
+    ends there and its engine request is aborted (outputs that came after it in the same hand-over
+    are dropped, as they would be one at a time). Raises RequestFailed (the engine failed a request),
+    the engine client's exception, or ServerShuttingDown once `interrupt` is set (the drain timed out),
+    after sending what was read before; the engine requests still open are then aborted."""
 
     async def watch(event: asyncio.Event) -> None:
         await event.wait()
@@ -78,17 +94,29 @@ async def choice_steps(
 
     watcher = asyncio.create_task(watch(interrupt)) if interrupt is not None else None
     started: set[int] = set()
+    held: dict[int, ChoiceStep] = {}  # per choice, what was read since the last hand-over, merged
     try:
-        async for index, item in call:
+        async for entry in call.hand_overs():
+            if entry is None:  # nothing more has arrived: one step per choice for all it read
+                for step in held.values():
+                    yield step
+                held.clear()
+                continue
+            index, item = entry
             usage.add(index // choices_per_prompt, item)
             if item.error:
+                for step in held.values():  # what came before the failure is still sent
+                    yield step
                 raise RequestFailed(item.error)
             text, stopped = texts[index].push(item.new_token_ids, item.finished), texts[index].stopped
             if stopped:
                 call.stop(index)
             finish_reason = "stop" if stopped else item.finish_reason if item.finished else None
-            yield ChoiceStep(index, item, text, finish_reason, index not in started)
+            step = ChoiceStep(index, item, text, finish_reason, index not in started)
+            held[index] = merged(held[index], step) if index in held else step
             started.add(index)
+        for step in held.values():  # every choice finished (the last outputs came together)
+            yield step
     finally:
         call.close()
         if watcher is not None:
