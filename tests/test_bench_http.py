@@ -18,3 +18,19 @@ def test_http_bench_prints_a_line_per_concurrency(checkpoints, capsys):
         assert row["generated"] == 5 * row["concurrency"]
         assert row["tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_max"] and row["itl_ms_p50"] > 0
+
+
+def test_http_bench_arrivals_mode_compares_gaps_before_and_during_arrivals(checkpoints, capsys):
+    """Issue 22 item 3's measurement: streams decode, prompts arrive; one `http.arrivals` line per
+    concurrency with gaps counted in both windows and the ratio of the two."""
+    bench_http(["--server-args", f"--model {checkpoints['v41']} --log-level warning", "--port", str(free_port()),
+                "--concurrency", "2", "--max-tokens", "4000", "--vocab", "500", "--arrivals", "2",
+                "--arrival-prompt-len", "96", "--arrival-interval-ms", "50", "--pure-s", "0.5"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["bench"], r["concurrency"], r["arrivals"]) for r in rows] == [("http.arrivals", 2, 2)]
+    row = rows[0]
+    assert min(row["gaps"]) >= 2
+    assert 0 < row["itl_ms_p50_pure"] <= row["itl_ms_p90_pure"]
+    assert 0 < row["itl_ms_p50_arrivals"] <= row["itl_ms_p90_arrivals"] <= row["itl_ms_max_arrivals"]
+    assert row["p90_over_pure_p50"] == row["itl_ms_p90_arrivals"] / row["itl_ms_p50_pure"]
+    assert row["arrival_ttft_ms_p50"] > 0
