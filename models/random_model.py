@@ -52,7 +52,7 @@ def random_tensor(
 
     if leaf == "tid2eid":
         keys = torch.rand((shape[0], n_experts), generator=generator, device=device)
-        return keys.argsort(dim=-1)[:, : shape[1]]
+        return keys.argsort(dim=-1)[:, : shape[1]].contiguous()  # a slice: the router would copy it every step
     if "norm" in name:
         return normal(0.1, mean=1.0)
     if leaf in ("scale", "hc_scale"):
