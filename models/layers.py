@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch import nn
 
@@ -43,15 +47,44 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, None, eps)
 
 
+_STEP_TABLES: ContextVar[dict | None] = ContextVar("rope_step_tables", default=None)
+
+
+@contextmanager
+def rope_step() -> Iterator[None]:
+    """Within it, every RotaryTable of one spec computes cos / sin once per positions tensor: a model's
+    forward or decode step enters it, so its layers share the tables of their rope kind (two kinds for
+    V4's 43 layers: ~6 launches a layer saved) instead of each recomputing the same values. Scoped to
+    one call, so no step ever sees another's (a CUDA graph captures the first layer's computation and
+    the later layers' reads of it); outside it each call computes its own, as before."""
+    token = _STEP_TABLES.set({})
+    try:
+        yield
+    finally:
+        _STEP_TABLES.reset(token)
+
+
 class RotaryTable:
     """cos / sin for one rope kind, computed for the positions of a step (one row per position)."""
 
     def __init__(self, spec: RopeSpec) -> None:
+        self.spec = spec
         self.inv_freq = spec.inv_freq()
         self.scale = spec.attention_factor
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shared = _STEP_TABLES.get()
+        if shared is None:
+            return self._compute(positions)
+        # keyed by the tensor object, which the entry keeps alive: its id cannot be reused in the step
+        key = (self.spec, id(positions), positions.device)
+        entry = shared.get(key)
+        if entry is None or entry[0] is not positions:
+            entry = shared[key] = (positions, *self._compute(positions))
+        return entry[1], entry[2]
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 

@@ -17,7 +17,7 @@ from models.cache import ModelCache
 from models.config import ModelConfig
 from models.engram import EngramMemory
 from models.hyper import HyperConnection, HyperHead, merge_streams
-from models.layers import RMSNorm, logits_into
+from models.layers import RMSNorm, logits_into, rope_step
 from models.moe import MoE
 from models.parallel import SINGLE, TensorParallel
 from models.vocab import embedding, lm_head
@@ -70,8 +70,9 @@ class DeepseekV4(nn.Module):
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         self._check(batch, cache)
         streams = self._streams(batch.token_ids)
-        for index, layer in enumerate(self.model.layers):
-            streams = layer(streams, batch, cache, index)
+        with rope_step():  # the layers of one rope kind share its cos / sin
+            for index, layer in enumerate(self.model.layers):
+                streams = layer(streams, batch, cache, index)
         hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))
         return logits_into(self.lm_head(hidden), out)
 
@@ -81,8 +82,9 @@ class DeepseekV4(nn.Module):
         value on the host, so worker/cuda_graphs.py captures it; the same numbers as `forward` up to
         the order of float sums."""
         streams = self._streams(batch.token_ids)
-        for index, layer in enumerate(self.model.layers):
-            streams = layer(streams, batch, cache, index)
+        with rope_step():  # the layers of one rope kind share its cos / sin
+            for index, layer in enumerate(self.model.layers):
+                streams = layer(streams, batch, cache, index)
         return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()
 
     def _streams(self, token_ids: torch.Tensor) -> torch.Tensor:

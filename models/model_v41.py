@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.csa2 import ChunkSelection
 from models.engram import EngramMemory, engram_fusion
 from models.hyper import HyperConnection, collapse, merge_streams
-from models.layers import RMSNorm, logits_into
+from models.layers import RMSNorm, logits_into, rope_step
 from models.moe import MoE
 from models.parallel import SINGLE, TensorParallel
 from models.vocab import embedding, lm_head
@@ -100,11 +100,12 @@ class DeepseekV41(nn.Module):
         pre[:, 0] = 1.0
         selections = [ChunkSelection() for _ in batch.chunks]
         engram_index = {layer: i for i, layer in enumerate(self.config.engram.layer_ids)} if self.config.engram else {}
-        for index, layer in enumerate(self.model.layers):
-            rows = None
-            if index in engram_index:
-                rows = self.engram_memory.rows(engram_step, engram_index[index])
-            streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
+        with rope_step():  # the layers of one rope kind share its cos / sin
+            for index, layer in enumerate(self.model.layers):
+                rows = None
+                if index in engram_index:
+                    rows = self.engram_memory.rows(engram_step, engram_index[index])
+                streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
         last = batch.logits_rows
         hidden = self.model.norm(collapse(pre[last], streams[last]))
         return logits_into(self.lm_head(hidden), out)
@@ -120,9 +121,10 @@ class DeepseekV41(nn.Module):
         pre[:, 0] = 1.0
         selection = ChunkSelection()  # the index sources' picks, for the whole batch
         engram_index = {layer: i for i, layer in enumerate(self.config.engram.layer_ids)} if self.config.engram else {}
-        for index, layer in enumerate(self.model.layers):
-            rows = engram_rows[engram_index[index]] if index in engram_index else None
-            streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
+        with rope_step():  # the layers of one rope kind share its cos / sin
+            for index, layer in enumerate(self.model.layers):
+                rows = engram_rows[engram_index[index]] if index in engram_index else None
+                streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
         return self.lm_head(self.model.norm(collapse(pre, streams))).float()
 
     def engram_rows(self, slots: list[int], token_ids: list[int], positions: list[int], cache: ModelCache) -> list[torch.Tensor]:
