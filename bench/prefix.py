@@ -274,7 +274,7 @@ def agentic(args: argparse.Namespace, commit: str, machine: str) -> None:
             points, tokens = tier_sizes(load_config(args.config, overrides))
             server_args = [*(["--config", args.config] if args.config else []), *(f"--set={o}" for o in overrides),
                            "--log-level", "warning"]
-            with served(server_args, free_port(), args.ready_timeout_s) as url:
+            with served(server_args, free_port(), args.ready_timeout_s) as (url, _):
                 client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
                 model = client.models.list().data[0].id
                 trace = trace or agentic_trace(url.removesuffix("/v1"), args)
