@@ -46,7 +46,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, AsyncIterable, Callable, Iterator
 
 import httpx
 from openai import AsyncOpenAI
@@ -61,18 +61,26 @@ class Timing:
     tokens: int = 0
 
 
+async def read_timed_stream(
+    stream: AsyncIterable[Any], timing: Timing, carries_tokens: Callable[[Any], bool]
+) -> Timing:
+    """Reads a streamed response to its end into `timing`: the arrival time of each chunk whose first
+    choice `carries_tokens`, and the completion tokens of the last chunk with usage. Returns `timing`."""
+    async for chunk in stream:
+        if chunk.choices and carries_tokens(chunk.choices[0]):
+            timing.arrivals.append(time.perf_counter())
+        if chunk.usage is not None:
+            timing.tokens = chunk.usage.completion_tokens
+    return timing
+
+
 async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> Timing:
     timing = Timing(sent=time.perf_counter())
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text is not None:
-            timing.arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            timing.tokens = chunk.usage.completion_tokens
-    return timing
+    return await read_timed_stream(stream, timing, lambda choice: choice.text is not None)
 
 
 async def one_chat(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> Timing:
@@ -82,12 +90,7 @@ async def one_chat(client: AsyncOpenAI, model: str, prompt: list[int], max_token
         model=model, messages=[{"role": "user", "content": " ".join(map(str, prompt))}], max_tokens=max_tokens,
         temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta is not None:
-            timing.arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            timing.tokens = chunk.usage.completion_tokens
-    return timing
+    return await read_timed_stream(stream, timing, lambda choice: choice.delta is not None)
 
 
 def cpu_seconds(pid: int | None) -> float | None:

@@ -1,4 +1,5 @@
-"""Starts the real server (`python -m server`) in a subprocess for API tests and stops it after."""
+"""Starts the real server (`python -m server`) in a subprocess for API tests and stops it after; and the
+test doubles that tests of the output path share (CharTokenizer, FakeEngine)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contract import NewRequest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +26,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+class FakeEngine:
+    """Records aborts; the test plays the engine's outputs itself."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def submit(self, request: NewRequest) -> None: ...
+
+    def validate(self, request: NewRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
 
 @dataclass(frozen=True)

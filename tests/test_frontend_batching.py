@@ -29,28 +29,9 @@ from server.completions import stream_completion
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest
 from server.tokenizer import TextTokenizer
-from tests.serving import free_port
+from tests.serving import CharTokenizer, FakeEngine, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class CharTokenizer:
-    """Token id i is the character chr(i)."""
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def submit(self, request: NewRequest) -> None: ...
-
-    def validate(self, request: NewRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 def out(text: str, finished: bool = False) -> RequestOutput:

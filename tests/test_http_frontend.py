@@ -19,7 +19,7 @@ from contract.config import ENV_API_KEY, load_config
 from server.completions import stream_completion
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest
-from tests.serving import server_process
+from tests.serving import CharTokenizer, FakeEngine, server_process
 
 KEY = "sk-test-8d2f0c"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -170,25 +170,6 @@ def test_default_config_affords_eight_sequences_of_4k(checkpoints):
     assert config.scheduler.max_num_seqs >= 8 and config.model.max_model_len >= 4096
     _, spec = build_engine_core(config, lambda output: None)
     assert spec.memory.num_pages * spec.memory.block_tokens >= 8 * 4096, spec.memory.describe()
-
-
-class CharTokenizer:
-    """Token id i is the character chr(i)."""
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def submit(self, request: NewRequest) -> None: ...
-
-    def validate(self, request: NewRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 def stream_frames(last: RequestOutput | None, interrupt: asyncio.Event | None) -> tuple[list[dict | str], list[str]]:

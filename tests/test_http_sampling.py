@@ -14,7 +14,7 @@ from contract import NewRequest, RequestOutput, SamplingParams
 from server.completions import IncrementalText, collect, stream_completion
 from server.engine_client import EngineClient
 from server.protocol import CompletionRequest
-from tests.serving import running_server
+from tests.serving import CharTokenizer, FakeEngine, running_server
 
 PROMPT = "Hello world"
 EOS = 1  # the tiny checkpoint's eos_token_id
@@ -51,13 +51,6 @@ def a_stop_string(text: str) -> str:
     pytest.skip("the greedy text has no three ASCII letters in a row")
 
 
-class CharTokenizer:
-    """Token id i is the character chr(i)."""
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
-
-
 def test_incremental_text_holds_back_possible_stop_strings_and_cuts_at_the_first():
     text = IncrementalText(CharTokenizer(), stop=("abc", "bd!"))
     deltas = [text.push((ord(c),), final=False) for c in "xabdab"]
@@ -65,20 +58,6 @@ def test_incremental_text_holds_back_possible_stop_strings_and_cuts_at_the_first
     assert text.push((ord("c"),), final=False) == "" and text.stopped and text.sent == "xabd"
     tail = IncrementalText(CharTokenizer(), stop=("abc",))
     assert [tail.push((ord(c),), final=c == "b") for c in "xab"] == ["x", "", "ab"]  # flushed at the end
-
-
-class FakeEngine:
-    """Records aborts; the test plays the engine's outputs itself."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def submit(self, request: NewRequest) -> None: ...
-
-    def validate(self, request: NewRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 async def play(client: EngineClient, request_id: str, text: str) -> None:
