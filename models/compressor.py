@@ -18,6 +18,7 @@ from torch import nn
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
 from kernels.indexer import indexer_scores
+from kernels.pooler import combine_windows, pool_decode_applies, pool_decode_reference, pool_decode_triton
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import PoolerCache, paged_read, paged_write, paged_write_rows
 from models.layers import RMSNorm, RotaryTable, apply_rope
@@ -69,40 +70,27 @@ class WindowPooler(nn.Module):
     ) -> torch.Tensor:
         """Entries [n, head_dim] from the raw projections [n, rate, width] of each window's tokens and
         (overlap only) of the window before it; `no_prev` [n] marks window 0, which has none."""
-        dim, bias = self.head_dim, self.position_bias
-        if not self.overlap:
-            slot_kv, slot_gate = kv, gate + bias
-        else:
-            missing = no_prev[:, None, None]
-            prev_kv = prev_kv[..., :dim].masked_fill(missing, 0.0)
-            prev_gate = (prev_gate[..., :dim] + bias[:, :dim]).masked_fill(missing, float("-inf"))
-            slot_kv = torch.cat([prev_kv, kv[..., dim:]], dim=1)
-            slot_gate = torch.cat([prev_gate, gate[..., dim:] + bias[:, dim:]], dim=1)
-        # softmax over the window's tokens, taken along the last dim: the GPU's softmax over a middle dim
-        # (a "spatial" softmax) is several times slower
-        weights = slot_gate.transpose(1, 2).softmax(dim=-1).transpose(1, 2).to(slot_kv.dtype)
-        return self.kv_norm((slot_kv * weights).sum(dim=1))
+        pooled = combine_windows(kv, gate, prev_kv, prev_gate, no_prev, self.position_bias, self.head_dim, self.overlap)
+        return self.kv_norm(pooled)
 
     def decode_update(self, x: torch.Tensor, batch: DecodeBatch, cache: PoolerCache, rope: RotaryTable) -> None:
         """One token per sequence, without host reads: the token joins its slot's ring; the entry of
         its window is pooled from the ring every step and written only where the token closes it
-        (elsewhere the page keeps what it held)."""
-        rate, ring = self.rate, cache.ring
-        positions, slots = batch.positions, batch.slots
-        cache.raw_kv[slots, positions % ring] = self.kv_proj(x).to(cache.raw_kv.dtype)
-        cache.raw_gate[slots, positions % ring] = self.gate_proj(x).to(cache.raw_gate.dtype)
-        window = positions // rate
-        start = window * rate
-        rows = (start[:, None] + torch.arange(rate, device=x.device)) % ring  # [B, rate]
-        prev_rows = (rows - rate) % ring
-        ring_rows = slots[:, None]
-        entry = self._combine(
-            cache.raw_kv[ring_rows, rows], cache.raw_gate[ring_rows, rows],
-            cache.raw_kv[ring_rows, prev_rows], cache.raw_gate[ring_rows, prev_rows], window == 0,
-        )
-        cos, sin = rope(start)
+        (elsewhere the page keeps what it held). On the GPU one kernel does it all (kernels/pooler.py)."""
+        rate, positions = self.rate, batch.positions
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        cos, sin = rope(positions // rate * rate)
+        args = (cache.raw_kv, cache.raw_gate, batch.slots, positions, kv, gate, self.position_bias,
+                self.kv_norm.weight, self.kv_norm.eps, cos, sin, rate, self.overlap)
+        if pool_decode_applies(cache.raw_kv, self.overlap, cos.shape[-1]):
+            plain = isinstance(cache.entries, torch.Tensor) and cache.entries.dtype == cache.raw_kv.dtype
+            entry = pool_decode_triton(*args, store=cache.entries if plain else None, tables=batch.block_tables)
+            if plain:
+                return
+        else:
+            entry = pool_decode_reference(*args)
         closes = (positions + 1) % rate == 0
-        paged_write_rows(cache.entries, batch.block_tables, window, apply_rope(entry, cos, sin), where=closes)
+        paged_write_rows(cache.entries, batch.block_tables, positions // rate, entry, where=closes)
 
 
 class IndexerScorer(nn.Module):

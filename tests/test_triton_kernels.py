@@ -469,3 +469,65 @@ def random_fp8_weight(n: int, k: int, block: int, generator: torch.Generator, de
 
     weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device).cpu(), block)
     return weight.to(device), scale.to(device)
+
+
+def check_pool_decode(batch: int, dim: int, rope_half: int, rate: int, overlap: bool, dtype: torch.dtype, seed: int,
+                      device: str = DEVICE) -> None:
+    """The fused pooler step against the torch one: the rings bitwise (the same casts), the entries
+    within one rounding step of the model dtype (sums in another order), and the paged store written
+    exactly where a token closes its window, untouched elsewhere. Positions cover window 0 (no
+    previous window), a window's last token and tokens mid-window; the slots are not in batch order."""
+    from kernels.pooler import pool_decode_reference, pool_decode_triton
+    from models.cache import paged_write_rows
+
+    generator = torch.Generator(device).manual_seed(seed)
+    width, ring, per_page, pages = (2 if overlap else 1) * dim, 2 * rate + 3, 2, 4 * batch
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device) * scale
+
+    raw_kv, raw_gate = randn(batch + 2, ring, width).to(dtype), randn(batch + 2, ring, width, scale=2).to(dtype)
+    slots = torch.randperm(batch + 2, generator=generator, device=device)[:batch]
+    positions = torch.randint(0, 6 * rate, (batch,), generator=generator, device=device)
+    positions[0], positions[1] = rate - 1, 3 * rate - 1  # window 0 closes; a later window closes
+    kv, gate = randn(batch, width).to(dtype), randn(batch, width, scale=2).to(dtype)
+    bias, weight = randn(rate, width), torch.rand(dim, generator=generator, device=device) + 0.5
+    angles = torch.rand(batch, rope_half, generator=generator, device=device) * 6
+    cos, sin = angles.cos() * 1.2, angles.sin() * 1.2
+    tables = torch.randperm(pages, generator=generator, device=device).view(batch, 4).to(torch.int32)
+    store = randn(pages, per_page, dim).to(dtype)
+    ring_args = [t.clone() for t in (raw_kv, raw_gate)]
+    rest = (slots, positions, kv, gate, bias, weight, 1e-6, cos, sin, rate, overlap)
+    want = pool_decode_reference(*ring_args, *rest)
+    want_store = store.clone()
+    paged_write_rows(want_store, tables.long(), positions // rate, want, where=(positions + 1) % rate == 0)
+    got = pool_decode_triton(raw_kv, raw_gate, *rest, store=store, tables=tables)
+    assert torch.equal(raw_kv, ring_args[0]) and torch.equal(raw_gate, ring_args[1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(store, want_store, rtol=tolerance, atol=tolerance)
+    untouched = torch.ones_like(store, dtype=torch.bool)
+    closes = (positions + 1) % rate == 0
+    for b in closes.nonzero().flatten().tolist():
+        window = int(positions[b]) // rate
+        untouched[int(tables[b, window // per_page]), window % per_page] = False
+    assert torch.equal(store[untouched], want_store[untouched]) and (~untouched).any()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pool_decode_kernel_equals_the_reference(overlap):
+    """A window of 4 (one chunk of slots) and of 24 (the 16-slot chunks, the last partial); rope on
+    part of the channels."""
+    check_pool_decode(batch=5, dim=16, rope_half=4, rate=4, overlap=overlap, dtype=torch.float32, seed=0)
+    check_pool_decode(batch=3, dim=8, rope_half=2, rate=24, overlap=overlap, dtype=torch.float32, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pool_decode_kernel_compiled_equals_the_reference(seed):
+    """V4-Flash's poolers, compiled: CSA (rate 4, overlap, 512 wide), its indexer (128 wide) and HCA
+    (rate 128, 512 wide), rope on the last 64 channels, in bf16 as served and in float32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        check_pool_decode(batch=33, dim=512, rope_half=32, rate=4, overlap=True, dtype=dtype, seed=seed, device="cuda")
+        check_pool_decode(batch=33, dim=128, rope_half=32, rate=4, overlap=True, dtype=dtype, seed=seed, device="cuda")
+        check_pool_decode(batch=9, dim=512, rope_half=32, rate=128, overlap=False, dtype=dtype, seed=seed, device="cuda")
