@@ -274,6 +274,36 @@ def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, k
     assert max(graph_errors) <= 1.5 * max(eager_errors) + 1e-3, (graph_errors, eager_errors)
 
 
+@pytest.mark.parametrize("kind", ["v4", "v41"])
+def test_a_mixed_step_replays_its_decodes_and_equals_them_run_apart(checkpoints, kind):
+    """Issue 22 item 3: a step with decodes and a prompt chunk replays the decode graph for the
+    decodes and runs the prompt eagerly. Its draws (tokens and logprobs) are bitwise those of the
+    same decodes as a pure graph step plus the prompt chunk alone, on a twin runner: splitting the
+    step changes nothing but the launches."""
+    from contract import ScheduledChunk, StepPlan
+
+    model = graph_test_models(kind, checkpoints)[0]
+    runners = [ModelRunner(model, 4, 256, device="cuda", cuda_graphs=True) for _ in range(2)]
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    prompts = [random_tokens(n, seed=slot) for slot, n in enumerate([5, 23, 40, 70])]
+
+    def chunk(runner: ModelRunner, slot: int, tokens: list[int], position: int) -> ScheduledChunk:
+        pages = tuple(runner.cache.default_pages(slot).tolist())
+        return ScheduledChunk(f"r{slot}", slot, pages, tuple(tokens), position, True, (), params, position)
+
+    for runner in runners:
+        runner.execute(StepPlan(tuple(chunk(runner, s, prompts[s], 0) for s in range(3))))
+    for step in range(3):
+        decodes = [[chunk(r, s, [7 + s + step], len(prompts[s]) + step) for s in range(3)] for r in runners]
+        prompt = [chunk(r, 3, prompts[3][10 * step : 10 * step + 10], 10 * step) for r in runners]
+        mixed = runners[0].execute(StepPlan((decodes[0][0], prompt[0], *decodes[0][1:])))
+        apart_decodes = runners[1].execute(StepPlan(tuple(decodes[1])))
+        apart_prompt = runners[1].execute(StepPlan((prompt[1],)))
+        expected = (apart_decodes.chunks[0], apart_prompt.chunks[0], *apart_decodes.chunks[1:])
+        assert mixed.chunks == expected, f"step {step}"
+    assert runners[0].graphs.replays == runners[1].graphs.replays == 3
+
+
 @pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_fp8"])
 def test_graph_decode_makes_no_allocation(checkpoints, kind):
     """A served decode run on graphs: after warm-up no new device memory (num_device_alloc, reserved

@@ -149,3 +149,22 @@ def test_a_step_of_mixed_params_draws_what_each_chunk_draws_alone(model):
     by_id = {r.request_id: r for r in together}
     assert by_id["biased"].sampled.token_id == 6
     assert len(by_id["greedy-top"].sampled.top) == 3 and by_id["greedy"].sampled.top == ()
+
+
+def test_graph_partition_puts_a_steps_one_token_chunks_in_the_graph_beside_its_prefill_chunks():
+    """A mixed step's decodes replay the graph while its prompt chunks run eagerly; without graphs, or
+    when no captured bucket holds the decodes, the whole step is eager."""
+    from worker.runner import graph_partition
+
+    params = SamplingParams(temperature=0.0)
+    decode = lambda i: ScheduledChunk(f"d{i}", i, (), (5,), 10, True, (), params, 1)  # noqa: E731
+    prompt = chunk("p", 3, params)
+    computed = [decode(0), prompt, decode(1), decode(2)]
+    rows = [[0], [len(PROMPT) - 1], [0], []]  # d2 computes without a draw (it resumes a state point)
+    offered: list[list[ScheduledChunk]] = []
+    takes_all = lambda chunks: offered.append(chunks) or True  # noqa: E731
+    assert graph_partition(computed, rows, takes_all) == (0, 2, 3)
+    assert offered == [[computed[0], computed[2], computed[3]]]
+    assert graph_partition(computed, rows, None) == ()
+    assert graph_partition(computed, rows, lambda chunks: False) == ()
+    assert graph_partition([prompt], [[len(PROMPT) - 1]], takes_all) == ()

@@ -1,9 +1,12 @@
 """Model runner: one step of one worker, as prepare -> forward -> sample -> report over a StepContext.
 
 - prepare: the prefix cache's state copies (its host and disk tiers' moves too), then the step's layout:
-  the chunks to compute, the logit rows each wants, and the step as captured decode-graph rows or as an
-  eager flat batch.
-- forward: graph replay or eager forward; fills each chunk's logits and Engram read failures.
+  the chunks to compute, the logit rows each wants, and which of them run as captured decode-graph rows
+  and which as an eager flat batch. With graphs on, a step's one-token chunks run in the graph even when
+  prefill chunks share the step (`graph_chunks`), so decodes keep their graph speed while prompts are
+  prefilled in chunks; the prefill chunks (and any chunk the graph cannot take) run eagerly.
+- forward: graph replay, then the eager forward, on the same stream (their chunks use different cache
+  slots); fills each chunk's logits and Engram read failures.
 - sample: every sampling row of the step in one batched draw (worker/sampler.py), and echo logprobs.
 - report: hints the next step's Engram rows, builds the StepResult (with the prefix disk tier's moves
   that finished since the last step: worker/prefix_tiers.py).
@@ -35,6 +38,7 @@ request), and accept drafts while each equals the token drawn before it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,13 +77,19 @@ NO_PREFIX_TIERS = PrefixTierLimits()
 @dataclass
 class StepContext:
     """One step on its way through the runner: prepare sets the layout, forward fills `logits` and
-    `errors`, sample fills `sampled` and `prompt_logprobs`, report reads them all."""
+    `errors`, sample fills `sampled` and `prompt_logprobs`, report reads them all.
+
+    The layout splits `computed` in two (by index): `graph_chunks` run as the decode graph's rows
+    `graph_rows`, `eager_chunks` as the eager forward's flat `batch`. A pure decode step is all graph, a
+    step without graphs (or whose one-token chunks fit no graph) all eager, a mixed one both."""
 
     plan: StepPlan
     computed: list[ScheduledChunk]  # chunks with tokens to forward (the others resume a cached state point)
     logit_rows: list[list[int]]  # per computed chunk: its rows whose logits are wanted
-    graph_rows: list[DecodeRow] | None = None  # the step as decode rows, when a captured graph runs it
-    batch: ForwardBatch | None = None  # otherwise the eager forward's flat batch (neither: nothing to compute)
+    graph_chunks: tuple[int, ...] = ()  # indices into `computed` of the chunks the decode graph runs, in row order
+    graph_rows: list[DecodeRow] | None = None  # those chunks as decode rows (None: no graph runs this step)
+    eager_chunks: tuple[int, ...] = ()  # indices into `computed` of the chunks the eager forward runs, in batch order
+    batch: ForwardBatch | None = None  # their flat batch (None: no eager forward this step)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its wanted rows' logits
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its chunk could not be computed or drawn
     drawing: list[ScheduledChunk] = field(default_factory=list)  # the chunks drawn, in the rows of `draws`
@@ -135,7 +145,8 @@ class ModelRunner:
         `snapshot_slots` more cache slots (after the requests' ones) hold the prefix cache's snapshots.
         `tp`: the model's tensor-parallel group (Engram read failures are combined over it).
         `cuda_graphs`: decode steps replay CUDA graphs (worker/cuda_graphs.py) of the model's decode
-        path (V4 and V4.1 have one) where the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
+        path (V4 and V4.1 have one), and mixed steps replay them for their decode rows while their
+        prefill chunks run eagerly (`graph_chunks`), where the device is a GPU with grouped GEMMs for its dtype (bf16, sm90+), the group
         has one rank and the mode is not deterministic (batch-invariant kernels run eagerly); the cache
         then has one more slot and page (scratch). `kv_cache_dtype`: "fp4" packs V4.1's paged entries
         (models/packed_pages.py). `kv_hot_tokens`: those entries live in a host tier, with each running
@@ -204,13 +215,24 @@ class ModelRunner:
         step = StepContext(plan, computed, [self._rows_wanted(chunk) for chunk in computed])
         if computed:
             self.cache.hold_hot([(c.pages, c.position + len(c.token_ids)) for c in computed])
-            step.graph_rows = self._graph_rows(computed)
-            if step.graph_rows is None:
-                step.batch = self._pending_resolved(ForwardBatch.build(
-                    [(c.slot, [max(t, 0) for t in c.token_ids], c.position, list(c.pages)) for c in computed],
-                    logits=step.logit_rows,
-                ), computed)
+            self._lay_out(step)
         return step
+
+    def _lay_out(self, step: StepContext) -> None:
+        """Splits the computed chunks between the decode graph and the eager forward (`graph_partition`)
+        and builds each part's inputs."""
+        fits = self._graph_fits if self.graphs is not None else None
+        step.graph_chunks = graph_partition(step.computed, step.logit_rows, fits)
+        graphed = set(step.graph_chunks)
+        step.eager_chunks = tuple(i for i in range(len(step.computed)) if i not in graphed)
+        if step.graph_chunks:
+            step.graph_rows = self._decode_rows([step.computed[i] for i in step.graph_chunks])
+        if step.eager_chunks:
+            eager = [step.computed[i] for i in step.eager_chunks]
+            step.batch = self._pending_resolved(ForwardBatch.build(
+                [(c.slot, [max(t, 0) for t in c.token_ids], c.position, list(c.pages)) for c in eager],
+                logits=[step.logit_rows[i] for i in step.eager_chunks],
+            ), eager)
 
     def _draw_row(self, chunk: ScheduledChunk) -> int:
         """The row of the last step's draws that a chunk's PENDING_TOKEN input is (-1: its token is known).
@@ -271,13 +293,15 @@ class ModelRunner:
                              f"(host tier {'on' if self.host_tier else 'off'}, disk tier {'on' if self.disk_tier else 'off'})")
         return moves
 
-    def _graph_rows(self, computed: list[ScheduledChunk]) -> list[DecodeRow] | None:
-        """The step as decode rows when a captured graph can run it (one token per chunk, a bucket
-        that holds it), else None."""
-        if self.graphs is None or any(len(c.token_ids) != 1 for c in computed):
-            return None
-        rows = [DecodeRow(c.slot, max(c.token_ids[0], 0), c.position, c.pages, self._draw_row(c)) for c in computed]
-        return rows if self.graphs.fits(rows) else None
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[DecodeRow]:
+        """One-token chunks as the decode graph's rows; a PENDING_TOKEN input names its row of the last
+        step's draws, which the graph gathers on the device."""
+        return [DecodeRow(c.slot, max(c.token_ids[0], 0), c.position, c.pages, self._draw_row(c)) for c in chunks]
+
+    def _graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether one captured bucket holds these one-token chunks (batch size and block-table width)."""
+        assert self.graphs is not None
+        return self.graphs.fits(self._decode_rows(chunks))
 
     @staticmethod
     def _rows_wanted(chunk: ScheduledChunk) -> list[int]:
@@ -289,31 +313,39 @@ class ModelRunner:
 
     # -- forward ----------------------------------------------------------------------------------
     def _forward(self, step: StepContext) -> None:
+        """The graph's part first, then the eager part, queued on the current stream one after the other:
+        the host launches the eager kernels while the graph runs. Their outputs are different buffers
+        (the graph's static output, the runner's `logits`), so neither overwrites the other before
+        sampling; each part's Engram failures are read right after its own forward."""
         if step.graph_rows is not None:
             self._replay(step)
-        elif step.batch is not None:
+        if step.batch is not None:
             self._forward_eager(step)
         self._keep_last_logits(step)
 
     def _replay(self, step: StepContext) -> None:
-        """The decode graph over the step: one logits row per chunk (if it wants one)."""
+        """The decode graph over the step's graph chunks: one logits row per chunk (if it wants one)."""
         logits = self.graphs.run(step.graph_rows, self._last_draws.tokens if self._last_draws is not None else None)
         failed = self._engram_failures(len(step.graph_rows))
-        for index, (chunk, wanted) in enumerate(zip(step.computed, step.logit_rows)):
-            step.logits[chunk.request_id] = logits[index : index + len(wanted)]
-            if index in failed:
-                step.errors[chunk.request_id] = failed[index]
+        for row, index in enumerate(step.graph_chunks):
+            chunk, wanted = step.computed[index], step.logit_rows[index]
+            step.logits[chunk.request_id] = logits[row : row + len(wanted)]
+            if row in failed:
+                step.errors[chunk.request_id] = failed[row]
 
     def _forward_eager(self, step: StepContext) -> None:
-        """The eager forward over the flat batch, into the runner's logits buffer when it holds the rows."""
+        """The eager forward over the step's eager chunks, into the runner's logits buffer when it holds
+        the rows."""
         batch = step.batch
-        n_rows = sum(len(rows) for rows in step.logit_rows)
+        chunks = [step.computed[i] for i in step.eager_chunks]
+        logit_rows = [step.logit_rows[i] for i in step.eager_chunks]
+        n_rows = sum(len(rows) for rows in logit_rows)
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
         with BatchInvariantMode() if self.deterministic else nullcontext():
             logits = self.model(batch, self.cache, out=out)
         failed = self._engram_failures(batch.token_ids.shape[0])
         offset = 0
-        for chunk, rows, batch_chunk in zip(step.computed, step.logit_rows, batch.chunks):
+        for chunk, rows, batch_chunk in zip(chunks, logit_rows, batch.chunks):
             step.logits[chunk.request_id] = logits[offset : offset + len(rows)]
             offset += len(rows)
             span = range(batch_chunk.start, batch_chunk.start + batch_chunk.length)
@@ -433,6 +465,23 @@ class ModelRunner:
             self.disk_tier.close()
         if self.model.engram_memory is not None:
             self.model.engram_memory.close()
+
+
+def graph_partition(computed: Sequence[ScheduledChunk], logit_rows: Sequence[Sequence[int]],
+                    fits: Callable[[list[ScheduledChunk]], bool] | None) -> tuple[int, ...]:
+    """Indices (into `computed`, in order) of the chunks a captured decode graph runs; the others run
+    eagerly. The graph takes every one-token chunk that wants at most one logits row (it yields one
+    row per sequence: a chunk with several echo rows stays eager), whether or not prefill chunks share
+    the step, so that decodes do not fall back to the eager path whenever a prompt is prefilled. If
+    `fits` (does one captured bucket hold these chunks?) refuses them, or there are no graphs (`fits`
+    None), the graph runs nothing and the whole step is eager, as without graphs."""
+    if fits is None:
+        return ()
+    decodes = [i for i, (chunk, rows) in enumerate(zip(computed, logit_rows))
+               if len(chunk.token_ids) == 1 and len(rows) <= 1]
+    if not decodes or not fits([computed[i] for i in decodes]):
+        return ()
+    return tuple(decodes)
 
 
 def _refuse_drafts(plan: StepPlan) -> None:
