@@ -18,12 +18,13 @@ from torch import nn
 from kernels import fake_quant_fp8_ue8m0
 from kernels.attention import decode_attention
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
+from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk
 from kernels.indexer import indexer_scores
 from models.attention import add_attention_projections, attention_output, window_keys, window_keys_decode
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_gather_rows, paged_read
 from models.config import ModelConfig
-from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, expand_blocks, select_candidate_blocks
+from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, select_candidate_blocks
 from models.layers import RotaryTable, apply_rope
 from models.parallel import SINGLE, TensorParallel
 
@@ -177,6 +178,18 @@ class SharedCompressedAttention(nn.Module):
             out.append(attend_one_query(q[i], own, self.sinks, scale))
         return torch.stack(out)
 
+    def _select_per_query(
+        self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+        selection: ChunkSelection, allowed: torch.Tensor | None,
+    ) -> None:
+        """`_select` in deterministic mode: whole score rows, each query over exactly its visible keys."""
+        scores = self.indexer.scores_per_query(q, head_weights, keys, visible)
+        if self.is_candidate_source:
+            selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
+        elif allowed is not None:
+            scores = scores.masked_fill(~expand_blocks(allowed, scores.shape[1], self.block_size), float("-inf"))
+        selection.topk = self.indexer.top(scores)
+
     def _select(
         self,
         chunk: SequenceChunk,
@@ -195,15 +208,21 @@ class SharedCompressedAttention(nn.Module):
         selection.topk = None
         if n_keys > 0:
             keys = paged_read(cache.layers[self.key_source].shared.index_keys, chunk.pages, n_keys)
-            scores = self.indexer.scores(x, q_residual, keys, visible, cos, sin)
-            if self.is_candidate_source:
-                selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
-                if trace is not None:
-                    mask = expand_blocks(selection.candidate_blocks, n_keys, self.block_size)
-                    trace.candidates.setdefault(self.layer, []).append(mask)
-            elif self.constrained and selection.candidate_blocks is not None:
-                allowed = expand_blocks(selection.candidate_blocks, n_keys, self.block_size)
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            selection.topk = self.indexer.top(scores)
+            q, head_weights = self.indexer.queries(x, q_residual, cos, sin)
+            allowed = selection.candidate_blocks if self.constrained else None
+            if batch_invariant_active():
+                self._select_per_query(q, head_weights, keys, visible, selection, allowed)
+            else:
+                pick = indexer_topk(
+                    q, head_weights, keys, visible, self.indexer.topk,
+                    candidates=CandidateBlocks(self.block_size, self.top_blocks) if self.is_candidate_source else None,
+                    allowed=(allowed, self.block_size) if allowed is not None and not self.is_candidate_source else None,
+                )
+                selection.topk = pick.ids
+                if self.is_candidate_source:
+                    selection.candidate_blocks = pick.blocks
+            if trace is not None and self.is_candidate_source:
+                mask = expand_blocks(selection.candidate_blocks, n_keys, self.block_size)
+                trace.candidates.setdefault(self.layer, []).append(mask)
         if trace is not None:
             trace.topk.setdefault(self.layer, []).append(selection.topk)

@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
+from kernels.index_topk import indexer_topk
 from kernels.indexer import indexer_scores
 from kernels.pooler import combine_windows, pool_decode_applies, pool_decode_reference, pool_decode_triton
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
@@ -121,26 +122,25 @@ class Indexer(WindowPooler):
         """Boolean [n, entries] mask of the entries each query of the chunk attends to."""
         n_entries = chunk.end_position // self.rate
         positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
-        visible = torch.arange(n_entries, device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
+        counts = (positions + 1) // self.rate  # entries complete at each query's position
+        visible = torch.arange(n_entries, device=x.device)[None, :] < counts[:, None]
         if n_entries == 0:
             return visible
         q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
-        keys = paged_read(cache.entries, chunk.pages, n_entries).float()
+        keys = paged_read(cache.entries, chunk.pages, n_entries)
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         if batch_invariant_active():  # each query over exactly its visible entries
             total = torch.full(visible.shape, float("-inf"), device=x.device)
-            for i, count in enumerate(visible.sum(dim=1).tolist()):
+            for i, count in enumerate(counts.tolist()):
                 if count:
-                    per_head = torch.relu(q[i] @ keys[:count].t()) * self.head_dim**-0.5
+                    per_head = torch.relu(q[i] @ keys[:count].float().t()) * self.head_dim**-0.5
                     total[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
-        else:
-            scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys)) * self.head_dim**-0.5
-            total = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        _, top = stable_topk(total, min(self.topk, n_entries))
+            _, top = stable_topk(total, min(self.topk, n_entries))
+        else:  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor at long contexts
+            top = indexer_topk(q, weights, keys, counts, self.topk).ids.clamp(min=0)  # -1: fewer visible than k
         selected = torch.zeros_like(visible).scatter_(1, top, True)
         return selected & visible
-
 
     def decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: PoolerCache,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
-from kernels.batch_invariant import batch_invariant_active
+from kernels.index_topk import CandidateBlocks, block_maxima, choose_blocks
 from models.batch import DecodeBatch, SequenceChunk
 from models.cache import SharedStore, paged_write, paged_write_rows
 from models.layers import RMSNorm, RotaryTable, apply_rope
@@ -141,26 +141,26 @@ class SharedIndexer(nn.Module):
         keys = apply_rope(self.k_norm(self.k_proj(latents)), cos, sin)
         return self.quantize(keys) if isinstance(store, torch.Tensor) else keys
 
-    def scores(
-        self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, visible_len: torch.Tensor,
-        cos: torch.Tensor, sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """[n, T] float32 scores of the chunk's queries over `keys` [T, d]; -inf past each query's
-        `visible_len` (the entries complete at its position)."""
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's roped (and rounded) queries [n, H, D] and head weights [n, H] (scaled by H^-0.5),
+        both float32: what kernels/index_topk.py scores with."""
         n = x.shape[0]
         q = self.quantize(apply_rope(self.q_b_proj(q_residual).view(n, self.n_heads, self.head_dim), cos, sin))
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        if batch_invariant_active():  # each query over exactly its visible keys
-            scores = torch.full((n, keys.shape[0]), float("-inf"), device=x.device)
-            for i, visible in enumerate(visible_len.tolist()):
-                if visible > 0:
-                    per_head = torch.relu(q[i].float() @ keys[:visible].float().t()) * self.head_dim**-0.5
-                    scores[i, :visible] = (per_head * head_weights[i, :, None]).sum(dim=0)
-            return scores
-        per_head = torch.relu(torch.einsum("nhd,td->nht", q.float(), keys.float())) * self.head_dim**-0.5
-        scores = (per_head * head_weights[..., None]).sum(dim=1)
-        hidden = torch.arange(keys.shape[0], device=x.device)[None, :] >= visible_len[:, None]
-        return scores.masked_fill(hidden, float("-inf"))
+        return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
+
+    def scores_per_query(
+        self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible_len: torch.Tensor
+    ) -> torch.Tensor:
+        """Deterministic mode: [n, T] float32 scores, each query over exactly its `visible_len` keys (the
+        entries complete at its position; -inf past them), batch-invariant."""
+        scores = torch.full((q.shape[0], keys.shape[0]), float("-inf"), device=q.device)
+        for i, visible in enumerate(visible_len.tolist()):
+            if visible > 0:
+                per_head = torch.relu(q[i] @ keys[:visible].float().t()) * self.head_dim**-0.5
+                scores[i, :visible] = (per_head * head_weights[i, :, None]).sum(dim=0)
+        return scores
 
     def top(self, scores: torch.Tensor) -> torch.Tensor | None:
         """[n, k] ids of the best entries (ties: lowest id), -1 where fewer than k are eligible."""
@@ -176,20 +176,4 @@ def select_candidate_blocks(
 ) -> torch.Tensor:
     """[n, n_blocks] bool: the blocks of `block_size` entries with the highest maximum score, the block
     holding each query's newest entry forced in. Blocks are absolute (block b = entries b*bs ..)."""
-    n, total = scores.shape
-    n_blocks = -(-total // block_size)
-    padded = F.pad(scores, (0, n_blocks * block_size - total), value=float("-inf"))
-    block_max = padded.view(n, n_blocks, block_size).amax(dim=-1)
-    newest = torch.div(visible_len - 1, block_size, rounding_mode="floor")
-    forced = torch.arange(n_blocks, device=scores.device)[None, :] == newest[:, None]
-    block_max = block_max.masked_fill(forced, float("inf"))
-    values, ids = stable_topk(block_max, min(top_blocks, n_blocks))
-    chosen = torch.zeros(n, n_blocks, dtype=torch.bool, device=scores.device)
-    return chosen.scatter_(1, ids, values > float("-inf"))
-
-
-def expand_blocks(blocks: torch.Tensor, n_entries: int, block_size: int) -> torch.Tensor:
-    """Block mask [n, n_blocks] -> entry mask [n, n_entries] (entries past the blocks are excluded)."""
-    block_of_entry = torch.arange(n_entries, device=blocks.device) // block_size
-    inside = block_of_entry < blocks.shape[1]
-    return blocks[:, block_of_entry.clamp(max=max(blocks.shape[1] - 1, 0))] & inside[None, :]
+    return choose_blocks(block_maxima(scores, block_size), visible_len, CandidateBlocks(block_size, top_blocks))

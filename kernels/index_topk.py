@@ -1,0 +1,133 @@
+"""Lightning-indexer top-k over a prefill chunk in tiles: a workspace that does not grow with the
+context.
+
+score(i, e) = sum_h w[i, h] * relu(q[i, h] . key[e]) / sqrt(d), -inf for entries query i cannot see yet
+(e >= visible[i]). Taken whole, the per-head products are a float32 [queries, heads, entries] tensor:
+a 1,024-token chunk of V4.1-Flash at a 512K context (64 heads, 131,072 entries) asks for 32 GiB of it,
+three times over (issue 24: the OOM at 137.5 GiB). Here the chunk's queries go in row tiles and the
+entries in key tiles, each (rows x keys) tile's per-head products fit `tile_bytes`, and each row
+tile keeps a running top-k: merging the best k so far (all of lower ids than the tile's) with the
+tile's scores by a stable sort keeps the tie rule of one whole sort (among equal scores the lowest id
+wins), so the ids are those of `stable_topk` over the whole score rows, in the same order.
+
+V4.1's two-level selection rides along (models/csa2.py): the candidate source also takes, per query,
+the blocks of `block_size` entries with the highest maximum score (the block of its newest visible
+entry forced in); a constrained source scores only entries inside the blocks the candidate source
+chose. Block maxima need the whole row, so a row tile holds its [rows, blocks] maxima (bounded the
+same way) and the chunk's chosen blocks are a [queries, blocks] bool mask: the only result that grows
+with the context, at one byte per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.topk import stable_topk
+
+# the float32 per-head products of one (rows x keys) tile; with a few same-sized temporaries beside
+# them, about this times four is the scoring's peak at any context length
+SCORE_TILE_BYTES = 256 * 2**20
+KEY_TILE = 4096  # entries per key tile (rounded down to whole candidate blocks)
+
+
+@dataclass(frozen=True)
+class CandidateBlocks:
+    """The candidate source's rule: the `top_blocks` blocks of `block_size` entries with the highest
+    maximum score, per query."""
+
+    block_size: int
+    top_blocks: int
+
+
+@dataclass(frozen=True)
+class IndexPick:
+    """A chunk's selection: `ids` [n, k] entry ids in score order (-1 where fewer than k entries are
+    eligible), None when there are no entries; `blocks` [n, n_blocks] bool, the candidate blocks
+    (only when a CandidateBlocks rule was given)."""
+
+    ids: torch.Tensor | None
+    blocks: torch.Tensor | None = None
+
+
+def head_weighted_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[n, T] float32 scores of queries q [n, H, D] (float32) with head weights [n, H] over keys [T, D],
+    before any visibility mask."""
+    per_head = torch.relu(torch.einsum("nhd,td->nht", q, keys.float())) * q.shape[-1] ** -0.5
+    return (per_head * weights[..., None]).sum(dim=1)
+
+
+def block_maxima(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n, ceil(T / block_size)]: each block's highest score (a partial last block padded with -inf)."""
+    n, total = scores.shape
+    n_blocks = -(-total // block_size)
+    padded = F.pad(scores, (0, n_blocks * block_size - total), value=float("-inf"))
+    return padded.view(n, n_blocks, block_size).amax(dim=-1)
+
+
+def choose_blocks(block_max: torch.Tensor, visible: torch.Tensor, rule: CandidateBlocks) -> torch.Tensor:
+    """[n, n_blocks] bool: the `rule.top_blocks` blocks of highest maximum (ties: lowest block), the
+    block holding each query's newest visible entry forced in, blocks with nothing visible left out."""
+    n, n_blocks = block_max.shape
+    newest = torch.div(visible - 1, rule.block_size, rounding_mode="floor")
+    forced = torch.arange(n_blocks, device=block_max.device)[None, :] == newest[:, None]
+    values, ids = stable_topk(block_max.masked_fill(forced, float("inf")), min(rule.top_blocks, n_blocks))
+    chosen = torch.zeros(n, n_blocks, dtype=torch.bool, device=block_max.device)
+    return chosen.scatter_(1, ids, values > float("-inf"))
+
+
+def expand_blocks(blocks: torch.Tensor, n_entries: int, block_size: int) -> torch.Tensor:
+    """Block mask [n, n_blocks] -> entry mask [n, n_entries] (entries past the blocks are excluded)."""
+    block_of_entry = torch.arange(n_entries, device=blocks.device) // block_size
+    inside = block_of_entry < blocks.shape[1]
+    return blocks[:, block_of_entry.clamp(max=max(blocks.shape[1] - 1, 0))] & inside[None, :]
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int, *,
+    candidates: CandidateBlocks | None = None, allowed: tuple[torch.Tensor, int] | None = None,
+    tile_bytes: int = SCORE_TILE_BYTES, key_tile: int = KEY_TILE,
+) -> IndexPick:
+    """The top `k` entries of each query (q [n, H, D] float32, weights [n, H] float32) over `keys` [T, D]
+    among its visible ones (visible [n]: entries below it), with V4.1's candidate blocks chosen
+    (`candidates`) or obeyed (`allowed`: a chosen-blocks mask [n, n_blocks] and its block size)."""
+    n, heads, _ = q.shape
+    total = keys.shape[0]
+    k = min(k, total)
+    if k == 0:
+        return IndexPick(None, None)
+    block = candidates.block_size if candidates else allowed[1] if allowed else 1
+    key_tile = max(block, min(key_tile, total) // block * block)
+    n_blocks = -(-total // block)
+    row_bytes = 4 * max(heads * key_tile, n_blocks if candidates else 0)
+    rows = max(1, tile_bytes // row_bytes)
+    ids_out = torch.empty(n, k, dtype=torch.long, device=q.device)
+    blocks_out = torch.empty(n, n_blocks, dtype=torch.bool, device=q.device) if candidates else None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        seen = visible[r0:r1, None]
+        best_values = torch.empty(r1 - r0, 0, device=q.device)
+        best_ids = torch.empty(r1 - r0, 0, dtype=torch.long, device=q.device)
+        maxima = []
+        for t0 in range(0, total, key_tile):
+            t1 = min(total, t0 + key_tile)
+            entry = torch.arange(t0, t1, device=q.device)
+            scores = head_weighted_scores(q[r0:r1], weights[r0:r1], keys[t0:t1])
+            scores = scores.masked_fill(entry[None, :] >= seen, float("-inf"))
+            if candidates:
+                maxima.append(block_maxima(scores, block))
+            elif allowed is not None:
+                chosen = allowed[0][r0:r1, t0 // block : -(-t1 // block)]
+                if chosen.shape[1]:
+                    scores = scores.masked_fill(~expand_blocks(chosen, t1 - t0, block), float("-inf"))
+                else:  # the tile lies past every block the mask covers
+                    scores = torch.full_like(scores, float("-inf"))
+            values = torch.cat([best_values, scores], dim=1)
+            best_values, order = stable_topk(values, min(k, values.shape[1]))
+            best_ids = torch.cat([best_ids, entry.expand(r1 - r0, -1)], dim=1).gather(1, order)
+        ids_out[r0:r1] = best_ids.masked_fill(best_values == float("-inf"), -1)
+        if candidates:
+            blocks_out[r0:r1] = choose_blocks(torch.cat(maxima, dim=1), visible[r0:r1], candidates)
+    return IndexPick(ids_out, blocks_out)
