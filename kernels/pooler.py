@@ -83,7 +83,8 @@ def pool_decode_triton(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: torc
                        store: torch.Tensor | None = None, tables: torch.Tensor | None = None) -> torch.Tensor:
     """`pool_decode_reference` as one program per sequence. With a plain paged `store`
     [pages, per_page, dim] and the block `tables` [B, P], each sequence whose token closes its window
-    (position + 1 a multiple of `rate`) also writes its entry there, at entry id position // rate."""
+    (position + 1 a multiple of `rate`) also writes its entry there, at entry id position // rate.
+    `slots`, `positions` and `tables` may be strided views (the decode graphs' static input rows)."""
     batch = positions.shape[0]
     ring, width = raw_kv.shape[1], raw_kv.shape[2]
     dim = width // 2 if overlap else width
@@ -100,7 +101,7 @@ def pool_decode_triton(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: torc
         raw_kv, raw_gate, kv.contiguous(), gate.contiguous(), slots, positions, bias, norm_weight,
         cos.float().contiguous(), sin.float().contiguous(), out,
         store if write else out, tables if write else positions,
-        tables.stride(0) if write else 0, store.shape[1] if write else 1,
+        slots.stride(0), positions.stride(0), tables.stride(0) if write else 0, store.shape[1] if write else 1,
         ring, rate, eps,
         WIDTH=width, HALF=dim // 2, ROPE_HALF=cos.shape[-1], SLOTS=(2 if overlap else 1) * rate,
         OVERLAP=overlap, WRITE=write, CHUNK=min(SLOT_CHUNK, triton.next_power_of_2((2 if overlap else 1) * rate)),
@@ -147,14 +148,15 @@ if triton is not None:
     @triton.jit
     def _pool_decode_kernel(
         raw_kv, raw_gate, kv_new, gate_new, slots, positions, bias, norm_weight, cos, sin, out,
-        store, tables, table_stride, per_page, ring, rate, eps,
+        store, tables, slot_stride, position_stride, table_stride, per_page, ring, rate, eps,
         WIDTH: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, SLOTS: tl.constexpr,
         OVERLAP: tl.constexpr, WRITE: tl.constexpr, CHUNK: tl.constexpr,
     ):
+        eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
         DIM: tl.constexpr = 2 * HALF
         b = tl.program_id(0).to(tl.int64)
-        slot_id = tl.load(slots + b).to(tl.int64)
-        position = tl.load(positions + b).to(tl.int64)
+        slot_id = tl.load(slots + b * slot_stride).to(tl.int64)
+        position = tl.load(positions + b * position_stride).to(tl.int64)
         base = slot_id * ring * WIDTH
         # the token joins its ring first: its own window reads it back below
         for c in tl.static_range(0, WIDTH, DIM):

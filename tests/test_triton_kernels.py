@@ -487,8 +487,11 @@ def check_pool_decode(batch: int, dim: int, rope_half: int, rate: int, overlap: 
         return torch.randn(*shape, generator=generator, device=device) * scale
 
     raw_kv, raw_gate = randn(batch + 2, ring, width).to(dtype), randn(batch + 2, ring, width, scale=2).to(dtype)
-    slots = torch.randperm(batch + 2, generator=generator, device=device)[:batch]
-    positions = torch.randint(0, 6 * rate, (batch,), generator=generator, device=device)
+    # slots and positions as the decode graphs pass them: strided columns of one int64 input buffer
+    inputs = torch.zeros(batch, 4, dtype=torch.long, device=device)
+    slots, positions = inputs[:, 0], inputs[:, 1]
+    slots.copy_(torch.randperm(batch + 2, generator=generator, device=device)[:batch])
+    positions.copy_(torch.randint(0, 6 * rate, (batch,), generator=generator, device=device))
     positions[0], positions[1] = rate - 1, 3 * rate - 1  # window 0 closes; a later window closes
     kv, gate = randn(batch, width).to(dtype), randn(batch, width, scale=2).to(dtype)
     bias, weight = randn(rate, width), torch.rand(dim, generator=generator, device=device) + 0.5
