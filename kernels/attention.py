@@ -80,6 +80,7 @@ if triton is not None:
         q_ptr, keys_ptr, valid_ptr, max_ptr, sum_ptr, acc_ptr, scale, heads, n_keys, splits,
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr,
     ):
+        scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
         sequence = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)

@@ -90,6 +90,7 @@ if triton is not None:
 
     @triton.jit
     def _hc_mixes_kernel(logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr):
+        hc_eps = tl.cast(hc_eps, tl.float32)  # Inductor passes Python floats as fp64
         token = tl.program_id(0)
         row = logits_ptr + token * (2 + N) * N
         i = tl.arange(0, N)
@@ -226,6 +227,8 @@ if triton is not None:
                           OWN_PRE: tl.constexpr, BLOCK: tl.constexpr):
         """One token: the splits summed, the norm's scale applied, the mixes (`_mixes`), then the
         collapse with this site's pre (OWN_PRE) or the given one."""
+        norm_eps = tl.cast(norm_eps, tl.float32)  # Inductor passes Python floats as fp64
+        hc_eps = tl.cast(hc_eps, tl.float32)
         token = tl.program_id(0)
         stride = (2 + N) * N + 1
         rows = partial_ptr + token * SPLITS * stride + tl.arange(0, SPLITS)[:, None] * stride

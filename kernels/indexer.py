@@ -63,6 +63,7 @@ if triton is not None:
         q_ptr, weights_ptr, store_ptr, tables_ptr, visible_ptr, out_ptr,
         heads, per_page, table_width, n_entries, scale, D: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
+        scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
         sequence = tl.program_id(0).to(tl.int64)
         entry = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         in_table = entry < n_entries

@@ -221,6 +221,7 @@ if triton is not None:
         x_ptr, expert_ptr, weight_ptr, gate_up_ptr, scales_ptr, hidden_ptr, k, dim, inter, limit,
         WEIGHT_BEFORE_DOWN: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < inter

@@ -398,6 +398,7 @@ if triton is not None:
         """Program (block, row block, share): gate and up over K steps [share x share_steps, + share_steps). SPLIT:
         their float32 sums to out[share, pair, rows] and [..., inter + rows]; else the activation (and
         the routing weight) to out[pair, rows] in bf16."""
+        limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
                                            block_end_ptr, pairs, SORTED, BLOCK_M)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -465,6 +466,7 @@ if triton is not None:
                               WEIGHT_BEFORE_DOWN: tl.constexpr, BLOCK: tl.constexpr):
         """hidden[pair, cols] = SwiGLU of gate / up summed over the shares in share order (another rank's
         pair: its partial rows were never written, and nothing reads its hidden row)."""
+        limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = (cols < inter) & (cols * 0 + tl.load(expert_of_ptr + pair) >= 0)  # a vector: the interpreter's masks

@@ -50,6 +50,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, dim, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+        eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
         row = tl.program_id(0).to(tl.int64)
         x_row, out_row = x_ptr + row * dim, out_ptr + row * dim
         squares = tl.zeros([BLOCK], dtype=tl.float32)
