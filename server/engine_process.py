@@ -43,6 +43,17 @@ from server.engine_client import EngineClient
 
 log = logging.getLogger("ds4serve.launch")
 FLUSH_MS = 200  # after the engine exits, how long a last frame (its failure) may still take to arrive
+SOCKET_PATH_MAX = 107  # bytes of a unix socket's path (sun_path, less its NUL): ZeroMQ's ipc transport refuses longer
+
+
+def _socket_dir() -> tempfile.TemporaryDirectory:
+    """The directory of the engine's two sockets: in the temp dir, or in /tmp when a long TMPDIR would
+    make their paths longer than a unix socket allows (the engine could not start otherwise)."""
+    workdir = tempfile.TemporaryDirectory(prefix="ds4serve-engine-")
+    if len(f"{workdir.name}/requests".encode()) <= SOCKET_PATH_MAX:
+        return workdir
+    workdir.cleanup()
+    return tempfile.TemporaryDirectory(prefix="ds4serve-engine-", dir="/tmp")
 
 
 class EngineStartError(ValueError):
@@ -56,7 +67,7 @@ class EngineProcess:
 
     def __init__(self, config: ServeConfig, client: EngineClient, on_death: Callable[[str], None]) -> None:
         self._client, self._on_death = client, on_death
-        self._workdir = tempfile.TemporaryDirectory(prefix="ds4serve-engine-")
+        self._workdir = _socket_dir()
         self._context = zmq.Context()
         self._requests = self._context.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.SNDHWM, 0)

@@ -162,10 +162,13 @@ def test_front_end_rejects_before_sending(engine):
         asyncio.run(collect(client, NewRequest("bad-id", [5, 10**6], SamplingParams(max_tokens=2))))
 
 
-def test_startup_failure_is_a_clear_error(checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tmpdir_length", ["short", "past a socket path"])
+def test_startup_failure_is_a_clear_error(checkpoints, tmp_path, monkeypatch, tmpdir_length):
+    """The engine's own failure reaches the caller, whatever TMPDIR is: one too long for a unix socket's
+    path puts the sockets in /tmp (without that fallback ZeroMQ refuses to bind, "File name too long")."""
     broken = tmp_path / "no-weights"
     shutil.copytree(checkpoints["v41"], broken, ignore=shutil.ignore_patterns("*.safetensors*"))
-    workdirs = tmp_path / "tmp"
+    workdirs = tmp_path / ("tmp" if tmpdir_length == "short" else "t" * 120)
     workdirs.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(workdirs))  # where the sockets' directory goes
     engines_before = _engine_children(os.getpid())
