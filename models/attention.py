@@ -16,7 +16,7 @@ from torch import nn
 from kernels.attention import decode_attention
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
-from models.cache import LayerCache, paged_gather_rows, paged_pages, paged_read
+from models.cache import LayerCache, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
@@ -150,41 +150,76 @@ class Attention(nn.Module):
         sin: torch.Tensor,
     ) -> torch.Tensor:
         keys, bias = window_keys(chunk, kv, cache.window)
-        if self.compressor is not None:
-            entries, visible = self._compressed_keys(chunk, x, q_residual, cache, cos, sin)
+        picked = None
+        if self.kind == CSA:
+            picked = self._picked_entries(chunk, x, q_residual, cache, cos, sin)
+        elif self.kind == HCA:
+            entries, visible = self._all_entries(chunk, cache)
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
-        if batch_invariant_active():
-            return self._attend_per_query(q, keys, bias)
-        scores = torch.einsum("nhd,kd->hnk", q, keys) * self.head_dim**-0.5 + bias[None]
-        sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, chunk.length, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-        return torch.einsum("hnk,kd->nhd", probs.to(keys.dtype), keys)
-
-    def _attend_per_query(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Deterministic mode: each query over exactly its visible window keys and entries."""
         scale = self.head_dim**-0.5
-        return torch.stack([attend_one_query(q[i], keys[bias[i] == 0], self.sinks, scale) for i in range(q.shape[0])])
+        if batch_invariant_active():
+            return attend_per_query(q, keys, bias, picked, self.sinks, scale)
+        return attend_keys_and_picked(q, keys, bias, picked, self.sinks, scale)
 
-    def _compressed_keys(
-        self,
-        chunk: SequenceChunk,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        cache: LayerCache,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _picked_entries(
+        self, chunk: SequenceChunk, x: torch.Tensor, q_residual: torch.Tensor, cache: LayerCache,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """CSA: the entries the indexer picked for each query ([n, k, head_dim], and [n, k] valid), gathered
+        from the pages, or None before the first entry closes. Attending to the k picked entries instead
+        of every entry under a mask keeps the chunk's scores at [heads, n, window + n + k] at any context."""
+        ids = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
+        if ids is None:
+            return None
+        return paged_gather(cache.compressor.entries, chunk.pages, ids.clamp(min=0)), ids >= 0
+
+    def _all_entries(self, chunk: SequenceChunk, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """HCA: every entry of the sequence [entries, head_dim] and which each query sees [n, entries]."""
         rate = self.compressor.rate
         n_entries = chunk.end_position // rate
         entries = paged_read(cache.compressor.entries, chunk.pages, n_entries)
-        if self.kind == CSA:
-            visible = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
-        else:
-            positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
-            visible = torch.arange(n_entries, device=x.device)[None, :] < ((positions + 1) // rate)[:, None]
+        positions = torch.arange(chunk.position, chunk.end_position, device=entries.device)
+        visible = torch.arange(n_entries, device=entries.device)[None, :] < ((positions + 1) // rate)[:, None]
         return entries, visible
+
+
+def attend_keys_and_picked(
+    q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Heads' outputs [n, heads, dim] of a chunk's queries q [n, heads, dim] over keys every query shares
+    ([K, dim], additive `bias` [n, K]: the window, and HCA's entries) and the entries each query picked
+    (`picked`: [n, k, dim] and [n, k] valid, or None), with one softmax over both and the sinks. Keys
+    are values (MQA with K = V)."""
+    columns = [torch.einsum("nhd,kd->hnk", q, keys) * scale + bias[None]]
+    if picked is not None:
+        entries, valid = picked
+        picked_scores = torch.einsum("nhd,nkd->hnk", q, entries.to(q.dtype)) * scale
+        columns.append(picked_scores.masked_fill(~valid[None], float("-inf")))
+    columns.append(sinks.to(q.dtype)[:, None, None].expand(-1, q.shape[0], 1))
+    logits = torch.cat(columns, dim=-1)
+    probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1).to(q.dtype)
+    n_keys = keys.shape[0]
+    out = torch.einsum("hnk,kd->nhd", probs[..., :n_keys], keys)
+    if picked is not None:
+        out = out + torch.einsum("hnk,nkd->nhd", probs[..., n_keys:-1], picked[0].to(q.dtype))
+    return out
+
+
+def attend_per_query(
+    q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`attend_keys_and_picked` in deterministic mode: each query over exactly its visible shared keys
+    and valid picked entries (in pick order), batch-invariant."""
+    out = []
+    for i in range(q.shape[0]):
+        own = keys[bias[i] == 0]
+        if picked is not None:
+            own = torch.cat([own, picked[0][i][picked[1][i]].to(own.dtype)])
+        out.append(attend_one_query(q[i], own, sinks, scale))
+    return torch.stack(out)
 
 
 def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

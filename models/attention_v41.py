@@ -12,15 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
 from kernels.attention import decode_attention
-from kernels.batch_invariant import attend_one_query, batch_invariant_active
+from kernels.batch_invariant import batch_invariant_active
 from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk
 from kernels.indexer import indexer_scores
-from models.attention import add_attention_projections, attention_output, window_keys, window_keys_decode
+from models.attention import (
+    add_attention_projections,
+    attend_keys_and_picked,
+    attend_per_query,
+    attention_output,
+    window_keys,
+    window_keys_decode,
+)
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_gather_rows, paged_read
 from models.config import ModelConfig
@@ -148,35 +154,8 @@ class SharedCompressedAttention(nn.Module):
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
-        scale = self.head_dim**-0.5
-        if batch_invariant_active():
-            return self._attend_per_query(q, keys, bias, picked, scale)
-        columns = [torch.einsum("nhd,kd->hnk", q, keys) * scale + bias[None]]
-        if picked is not None:
-            entries, valid = picked
-            picked_scores = torch.einsum("nhd,nkd->hnk", q, entries.to(q.dtype)) * scale
-            columns.append(picked_scores.masked_fill(~valid[None], float("-inf")))
-        columns.append(self.sinks.to(q.dtype)[:, None, None].expand(-1, q.shape[0], 1))
-        logits = torch.cat(columns, dim=-1)
-        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1).to(q.dtype)
-        n_keys = keys.shape[0]
-        out = torch.einsum("hnk,kd->nhd", probs[..., :n_keys], keys)
-        if picked is not None:
-            out = out + torch.einsum("hnk,nkd->nhd", probs[..., n_keys:-1], picked[0].to(q.dtype))
-        return out
-
-    def _attend_per_query(
-        self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
-        scale: float,
-    ) -> torch.Tensor:
-        """Deterministic mode: each query over exactly its window keys and valid picked entries."""
-        out = []
-        for i in range(q.shape[0]):
-            own = keys[bias[i] == 0]
-            if picked is not None:
-                own = torch.cat([own, picked[0][i][picked[1][i]].to(own.dtype)])
-            out.append(attend_one_query(q[i], own, self.sinks, scale))
-        return torch.stack(out)
+        attend = attend_per_query if batch_invariant_active() else attend_keys_and_picked
+        return attend(q, keys, bias, picked, self.sinks, self.head_dim**-0.5)
 
     def _select_per_query(
         self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,

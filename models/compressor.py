@@ -118,29 +118,27 @@ class Indexer(WindowPooler):
         cache: PoolerCache,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """Boolean [n, entries] mask of the entries each query of the chunk attends to."""
+    ) -> torch.Tensor | None:
+        """[n, k] ids of the entries each query of the chunk attends to (top `index_topk` by score among
+        those complete at its position; -1 where fewer are), None before the first entry closes."""
         n_entries = chunk.end_position // self.rate
+        if n_entries == 0:
+            return None
         positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
         counts = (positions + 1) // self.rate  # entries complete at each query's position
-        visible = torch.arange(n_entries, device=x.device)[None, :] < counts[:, None]
-        if n_entries == 0:
-            return visible
         q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
         keys = paged_read(cache.entries, chunk.pages, n_entries)
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
-        if batch_invariant_active():  # each query over exactly its visible entries
-            total = torch.full(visible.shape, float("-inf"), device=x.device)
-            for i, count in enumerate(counts.tolist()):
-                if count:
-                    per_head = torch.relu(q[i] @ keys[:count].float().t()) * self.head_dim**-0.5
-                    total[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
-            _, top = stable_topk(total, min(self.topk, n_entries))
-        else:  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor at long contexts
-            top = indexer_topk(q, weights, keys, counts, self.topk).ids.clamp(min=0)  # -1: fewer visible than k
-        selected = torch.zeros_like(visible).scatter_(1, top, True)
-        return selected & visible
+        if not batch_invariant_active():  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor
+            return indexer_topk(q, weights, keys, counts, self.topk).ids
+        total = torch.full((chunk.length, n_entries), float("-inf"), device=x.device)
+        for i, count in enumerate(counts.tolist()):  # each query over exactly its visible entries
+            if count:
+                per_head = torch.relu(q[i] @ keys[:count].float().t()) * self.head_dim**-0.5
+                total[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
+        values, ids = stable_topk(total, min(self.topk, n_entries))
+        return ids.masked_fill(values == float("-inf"), -1)
 
     def decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: PoolerCache,
