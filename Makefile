@@ -29,8 +29,9 @@ CONFIG ?= configs/cpu-tiny.yaml
 plan: $(VENV)/.installed
 	$(PY) -m server plan --config $(CONFIG) $(ARGS)
 
+# one pytest worker per core (pytest-xdist), each test file on one worker (its module-scoped servers start once)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
