@@ -113,22 +113,23 @@ def pool_decode_triton(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: torc
 if triton is not None:
 
     @triton.jit
-    def _window_slots(first, start, ring, rate, SLOTS: tl.constexpr, DIM: tl.constexpr,
+    def _window_slots(first, start, base, ring, rate, SLOTS: tl.constexpr, DIM: tl.constexpr, WIDTH: tl.constexpr,
                       OVERLAP: tl.constexpr, CHUNK: tl.constexpr):
-        """For window slots first .. first + CHUNK: (ring row, channel offset, bias row, valid). With
-        the overlap, slots [0, rate) are the previous window's tokens (first-half channels, none for
-        window 0) and [rate, 2 rate) this window's (second-half channels, from offset DIM)."""
+        """For window slots first .. first + CHUNK: (ring offset [CHUNK, 1] of each slot's channel 0, bias
+        offset [CHUNK, 1], valid [CHUNK, 1]). With the overlap, slots [0, rate) are the previous window's
+        tokens (first-half channels, none for window 0) and [rate, 2 rate) this window's (second-half
+        channels, from offset DIM)."""
         slot = first + tl.arange(0, CHUNK)
         if OVERLAP:
             token = start + slot - rate
-            previous = slot < rate
             valid = (slot < SLOTS) & (token >= 0)  # window 0 has no previous window
-            offset = tl.where(previous, 0, DIM)
+            offset = tl.where(slot < rate, 0, DIM)
         else:
             token = start + slot
             valid = slot < SLOTS
             offset = slot * 0
-        return (token + ring) % ring, offset, slot % rate, valid
+        row = (token + ring) % ring
+        return (base + row * WIDTH + offset)[:, None], ((slot % rate) * WIDTH + offset)[:, None], valid[:, None]
 
     @triton.jit
     def _gates(raw_gate, bias, at, bias_at, channel, mask):
@@ -176,11 +177,9 @@ if triton is not None:
         total_even = tl.zeros([HALF], tl.float32)
         total_odd = tl.zeros([HALF], tl.float32)
         for first in tl.range(0, SLOTS, CHUNK):
-            row, offset, bias_row, valid = _window_slots(first, start, ring, rate, SLOTS, DIM, OVERLAP, CHUNK)
-            at = base + row[:, None] * WIDTH + offset[:, None]
-            bias_at = bias_row[:, None] * WIDTH + offset[:, None]
-            g_even = _gates(raw_gate, bias, at, bias_at, even, valid[:, None])
-            g_odd = _gates(raw_gate, bias, at, bias_at, odd, valid[:, None])
+            at, bias_at, valid = _window_slots(first, start, base, ring, rate, SLOTS, DIM, WIDTH, OVERLAP, CHUNK)
+            g_even = _gates(raw_gate, bias, at, bias_at, even, valid)
+            g_odd = _gates(raw_gate, bias, at, bias_at, odd, valid)
             new_even = tl.maximum(peak_even, tl.max(g_even, axis=0))
             new_odd = tl.maximum(peak_odd, tl.max(g_odd, axis=0))
             total_even = total_even * tl.exp(peak_even - new_even) + tl.sum(tl.exp(g_even - new_even[None, :]), axis=0)
@@ -190,11 +189,9 @@ if triton is not None:
         acc_even = tl.zeros([HALF], tl.float32)
         acc_odd = tl.zeros([HALF], tl.float32)
         for first in tl.range(0, SLOTS, CHUNK):
-            row, offset, bias_row, valid = _window_slots(first, start, ring, rate, SLOTS, DIM, OVERLAP, CHUNK)
-            at = base + row[:, None] * WIDTH + offset[:, None]
-            bias_at = bias_row[:, None] * WIDTH + offset[:, None]
-            acc_even += _weighted(raw_kv, raw_gate, bias, at, bias_at, even, valid[:, None], peak_even, total_even)
-            acc_odd += _weighted(raw_kv, raw_gate, bias, at, bias_at, odd, valid[:, None], peak_odd, total_odd)
+            at, bias_at, valid = _window_slots(first, start, base, ring, rate, SLOTS, DIM, WIDTH, OVERLAP, CHUNK)
+            acc_even += _weighted(raw_kv, raw_gate, bias, at, bias_at, even, valid, peak_even, total_even)
+            acc_odd += _weighted(raw_kv, raw_gate, bias, at, bias_at, odd, valid, peak_odd, total_odd)
         # the norm: the pooled sum rounds to the model dtype first, as the torch path's does
         x_even = acc_even.to(raw_kv.dtype.element_ty).to(tl.float32)
         x_odd = acc_odd.to(raw_kv.dtype.element_ty).to(tl.float32)
