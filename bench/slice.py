@@ -3,7 +3,7 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
 
     python -m bench.slice decode [--concurrency 1 8 32] [--context 0 8192] [--steps 32]
                                  [--modes default deterministic] [--row-budget-s 30]
-    python -m bench.slice ttft [--prompt 1024 8192 32768] [--prefill-chunk 2048] [--repeats 2]
+    python -m bench.slice ttft [--prompt 1024 8192 32768] [--prefill-chunk 2048 | --prefill-chunks 2048 4096 ...] [--repeats 2]
     python -m bench.slice transformers [--concurrency 1 8 32] [--prompt-len 512] [--steps 32]
     python -m bench.slice profile [--concurrency 1 32] [--steps 8] [--top 40] [--enforce-eager]
     python -m bench.slice families [--concurrency 1 8 32] [--steps 32] [--repeats 20]
@@ -24,8 +24,10 @@ device copy bandwidth, read + written) and `slice.matmul` (bf16 GEMM ceiling), m
   tokens (a random model's greedy output repeats one token and routes every row alike). The context is
   prefilled once into slot 0, through the model in the default mode, and copied to the other slots. A
   row stops after --steps timed steps or --row-budget-s seconds (at least 3 steps), whichever is first.
-- ttft: one sequence, prefilled in --prefill-chunk chunks through ModelRunner (as the engine's chunked
-  prefill does); TTFT, prefill tokens/s, useful FLOP/s and its ratio to the matmul ceiling.
+- ttft: one sequence, prefilled in --prefill-chunk chunks (or each size of --prefill-chunks in turn)
+  through ModelRunner (as the engine's chunked prefill does); TTFT, prefill tokens/s, useful FLOP/s and
+  its ratio to the matmul ceiling, and the peak device memory the prefill held beyond what was
+  allocated before it (`peak_workspace_bytes`, CUDA only: the memory a chunk size needs).
 - families: per kernel family of a decode step at context 0 (attention projections, mHC, router,
   shared expert, routed experts, head: bench/slice_families.py), its device time alone in a CUDA
   graph, the weight bytes it reads, bytes/s and the ratio to the copy bandwidth of this run, beside the
@@ -68,7 +70,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -319,20 +321,39 @@ def prefill_once(runner: ModelRunner, tokens: list[int], chunk_tokens: int) -> f
     return time.perf_counter() - start
 
 
+def peak_bytes_of(run: Callable[[], float], device: str) -> tuple[float, int | None]:
+    """`run()`'s result and the most device memory it held beyond what was allocated before it (CUDA's
+    allocator statistics; None on the CPU, which keeps none)."""
+    if device != "cuda":
+        return run(), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = run()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - before
+
+
 def cmd_ttft(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
+    """TTFT per prompt length and per prefill chunk size (`--prefill-chunks`, issue 24's sweep), with the
+    peak workspace a prefill of that chunk size held on the device."""
     _, matmul_fps = ceilings(args, model, fields)
     runner = ModelRunner(model, 1, max(args.prompt) + 1, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
-    prefill_once(runner, random_tokens(generator, vocab, min(args.prompt)), args.prefill_chunk)  # warm-up
-    for length in args.prompt:
-        times = [prefill_once(runner, random_tokens(generator, vocab, length), args.prefill_chunk)
-                 for _ in range(args.repeats)]
-        ttft = statistics.median(times)
-        flops = prefill_flops(model, length)
-        emit({"bench": "slice.ttft", "prompt": length, "prefill_chunk": args.prefill_chunk, "repeats": args.repeats,
-              "ttft_ms_p50": 1000 * ttft, "ttft_ms_min": 1000 * min(times), "prefill_tokens_per_s": length / ttft,
-              "prefill_flops": flops, "flops_per_s": flops / ttft, "ratio_to_matmul": flops / ttft / matmul_fps}, fields)
+    for chunk_tokens in args.prefill_chunks or [args.prefill_chunk]:
+        prefill_once(runner, random_tokens(generator, vocab, min(args.prompt)), chunk_tokens)  # warm-up
+        for length in args.prompt:
+            timed = [peak_bytes_of(lambda: prefill_once(runner, random_tokens(generator, vocab, length), chunk_tokens),
+                                   args.device) for _ in range(args.repeats)]
+            times = [seconds for seconds, _ in timed]
+            peaks = [peak for _, peak in timed if peak is not None]
+            ttft = statistics.median(times)
+            flops = prefill_flops(model, length)
+            emit({"bench": "slice.ttft", "prompt": length, "prefill_chunk": chunk_tokens, "repeats": args.repeats,
+                  "ttft_ms_p50": 1000 * ttft, "ttft_ms_min": 1000 * min(times), "prefill_tokens_per_s": length / ttft,
+                  "prefill_flops": flops, "flops_per_s": flops / ttft, "ratio_to_matmul": flops / ttft / matmul_fps,
+                  "peak_workspace_bytes": max(peaks) if peaks else None}, fields)
 
 
 def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict[str, Any], fields: dict[str, Any]) -> None:
@@ -386,6 +407,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--prompt-len", type=int, default=512, help="transformers: prompt tokens per row")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk (the engine's default)")
+    parser.add_argument("--prefill-chunks", type=int, nargs="+",
+                        help="ttft: a sweep of chunk sizes (e.g. 2048 4096 8192 16384), each with its peak workspace")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--top", type=int, default=40, help="profile: kernels listed per concurrency")
     parser.add_argument("--enforce-eager", action="store_true", help="profile: eager steps, no CUDA graphs")

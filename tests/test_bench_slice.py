@@ -77,6 +77,16 @@ def test_ttft(capsys, config):
         positive(row, "ttft_ms_p50", "prefill_tokens_per_s", "prefill_flops", "flops_per_s", "ratio_to_matmul")
 
 
+def test_ttft_sweeps_chunk_sizes(capsys, config):
+    """Issue 24's chunk-size sweep: one row per (chunk size, prompt); the peak workspace is CUDA's
+    allocator figure, None on the CPU."""
+    rows = run(capsys, config, "ttft", "--prompt", "40", "--prefill-chunks", "16", "64", "--repeats", "1")["slice.ttft"]
+    assert [(r["prefill_chunk"], r["prompt"]) for r in rows] == [(16, 40), (64, 40)]
+    for row in rows:
+        positive(row, "ttft_ms_p50", "prefill_tokens_per_s")
+        assert row["peak_workspace_bytes"] is None  # the CPU keeps no allocator statistics
+
+
 def test_transformers(capsys, config):
     pytest.importorskip("transformers")
     rows = run(capsys, config, "transformers", "--concurrency", "1", "2", "--prompt-len", "12", "--steps", "3",
