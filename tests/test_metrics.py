@@ -92,14 +92,17 @@ def server(checkpoints):
 
 
 def test_counters_and_histograms_move_under_both_prefixes(server):
-    before = scrape(server)
+    """The front end's counters move at once; the engine's (prefix cache queries, preemptions) arrive
+    with its next stats report, so both scrapes wait for the engine to settle (the after-scrape once
+    read the prefix queries of the first request only: 8 tokens of 13)."""
+    before = settled(server)
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     done = client.completions.create(model=MODEL, prompt="hello metrics", max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
     stream = client.completions.create(model=MODEL, prompt="a streamed one", max_tokens=4, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
-    after = reported(server)
+    after = settled(server)
     prompt_tokens = done.usage.prompt_tokens + usage.prompt_tokens
     generated = done.usage.completion_tokens + usage.completion_tokens
     assert generated == 9
