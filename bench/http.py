@@ -21,7 +21,9 @@ random token ids from [10, --vocab), greedy, `ignore_eos`, `max_tokens`. One JSO
 high enough to outlast the run), and after --pure-s seconds of pure decode N requests of
 --arrival-prompt-len prompt tokens arrive --arrival-interval-ms apart; one `http.arrivals` line per
 concurrency compares the streams' inter-token gaps in the two windows (p50 / p90 / max, and the p90
-with arrivals over the pure-decode p50, the issue's 1.5x bound).
+with arrivals over the pure-decode p50, the issue's 1.5x bound) and their mean inter-token time (the
+window over the tokens each stream got in it, counted from the streamed token ids: immune to the
+client reading several frames at once, which makes the p50 near 0 when the front end is busy).
 
 `--api chat` streams chat completions instead (the chat output parser runs on every delta).
 `--scripted-step-ms MS` starts the front end over a scripted engine instead (bench/scripted_engine.py:
@@ -59,6 +61,7 @@ class Timing:
     sent: float
     arrivals: list[float] = field(default_factory=list)  # one per streamed chunk that carried tokens
     tokens: int = 0
+    counts: list[int] = field(default_factory=list)  # tokens of each arrival, where the stream says (token_ids)
 
 
 async def read_timed_stream(
@@ -143,10 +146,11 @@ async def measure_arrivals(client: AsyncOpenAI, model: str, concurrency: int, ma
     async def stream(timing: Timing, prompt: list[int]) -> None:
         response = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True})
+            extra_body={"ignore_eos": True, "return_token_ids": True})
         async for chunk in response:
             if chunk.choices and chunk.choices[0].text is not None:
                 timing.arrivals.append(time.perf_counter())
+                timing.counts.append(len((chunk.choices[0].model_extra or {}).get("token_ids") or ()))
 
     tasks = [asyncio.create_task(stream(t, [rng.randrange(10, vocab) for _ in range(16)])) for t in streams]
     try:
@@ -175,10 +179,17 @@ async def measure_arrivals(client: AsyncOpenAI, model: str, concurrency: int, ma
     def gaps(begin: float, end: float) -> list[float]:
         return [1000 * (b - a) for t in streams for a, b in zip(t.arrivals, t.arrivals[1:]) if begin <= b < end]
 
+    def mean_itl(begin: float, end: float) -> float:
+        """The window's length over the tokens each stream got in it (mean per stream): the step time
+        the streams saw, whatever bursts the client read them in."""
+        tokens = sum(n for t in streams for at, n in zip(t.arrivals, t.counts) if begin <= at < end)
+        return 1000 * (end - begin) * len(streams) / tokens if tokens else float("inf")
+
     pure, busy = gaps(pure_start, arrivals_start), gaps(arrivals_start, arrivals_end)
     if len(pure) < 2 or len(busy) < 2:
         raise RuntimeError(f"too few inter-token gaps to compare ({len(pure)} pure, {len(busy)} with arrivals)")
     p90 = lambda values: statistics.quantiles(values, n=10)[-1]  # noqa: E731
+    mean_pure, mean_busy = mean_itl(pure_start, arrivals_start), mean_itl(arrivals_start, arrivals_end)
     return {
         "bench": "http.arrivals", "concurrency": concurrency, "arrivals": arrivals,
         "arrival_prompt_len": arrival_prompt_len, "interval_ms": interval_ms,
@@ -187,6 +198,7 @@ async def measure_arrivals(client: AsyncOpenAI, model: str, concurrency: int, ma
         "p90_over_pure_p50": p90(busy) / statistics.median(pure),
         "arrival_ttft_ms_p50": statistics.median(1000 * (t.arrivals[0] - t.sent) for t in done if t.arrivals),
         "gaps": [len(pure), len(busy)],
+        "itl_ms_mean_pure": mean_pure, "itl_ms_mean_arrivals": mean_busy, "mean_over_pure_mean": mean_busy / mean_pure,
     }
 
 

@@ -33,4 +33,6 @@ def test_http_bench_arrivals_mode_compares_gaps_before_and_during_arrivals(check
     assert 0 < row["itl_ms_p50_pure"] <= row["itl_ms_p90_pure"]
     assert 0 < row["itl_ms_p50_arrivals"] <= row["itl_ms_p90_arrivals"] <= row["itl_ms_max_arrivals"]
     assert row["p90_over_pure_p50"] == row["itl_ms_p90_arrivals"] / row["itl_ms_p50_pure"]
+    assert 0 < row["itl_ms_mean_pure"] < float("inf") and 0 < row["itl_ms_mean_arrivals"] < float("inf")
+    assert row["mean_over_pure_mean"] == row["itl_ms_mean_arrivals"] / row["itl_ms_mean_pure"]
     assert row["arrival_ttft_ms_p50"] > 0
