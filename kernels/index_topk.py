@@ -59,6 +59,17 @@ def head_weighted_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     return (per_head * weights[..., None]).sum(dim=1)
 
 
+def scores_per_query(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Deterministic mode: [n, T] float32 scores, each query over exactly its `visible` keys (-inf past
+    them), one query at a time, so a query's scores do not depend on what shares its chunk."""
+    scores = torch.full((q.shape[0], keys.shape[0]), float("-inf"), device=q.device)
+    for i, count in enumerate(visible.tolist()):
+        if count > 0:
+            per_head = torch.relu(q[i] @ keys[:count].float().t()) * q.shape[-1] ** -0.5
+            scores[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
+    return scores
+
+
 def block_maxima(scores: torch.Tensor, block_size: int) -> torch.Tensor:
     """[n, ceil(T / block_size)]: each block's highest score (a partial last block padded with -inf)."""
     n, total = scores.shape

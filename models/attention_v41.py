@@ -17,7 +17,7 @@ from torch import nn
 from kernels import fake_quant_fp8_ue8m0
 from kernels.attention import decode_attention
 from kernels.batch_invariant import batch_invariant_active
-from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk
+from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, scores_per_query
 from kernels.indexer import indexer_scores
 from models.attention import (
     add_attention_projections,
@@ -162,7 +162,7 @@ class SharedCompressedAttention(nn.Module):
         selection: ChunkSelection, allowed: torch.Tensor | None,
     ) -> None:
         """`_select` in deterministic mode: whole score rows, each query over exactly its visible keys."""
-        scores = self.indexer.scores_per_query(q, head_weights, keys, visible)
+        scores = scores_per_query(q, head_weights, keys, visible)
         if self.is_candidate_source:
             selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
         elif allowed is not None:

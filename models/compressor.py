@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from kernels.index_topk import indexer_topk
+from kernels.index_topk import indexer_topk, scores_per_query
 from kernels.indexer import indexer_scores
 from kernels.pooler import combine_windows, pool_decode_applies, pool_decode_reference, pool_decode_triton
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
@@ -132,12 +132,7 @@ class Indexer(WindowPooler):
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         if not batch_invariant_active():  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor
             return indexer_topk(q, weights, keys, counts, self.topk).ids
-        total = torch.full((chunk.length, n_entries), float("-inf"), device=x.device)
-        for i, count in enumerate(counts.tolist()):  # each query over exactly its visible entries
-            if count:
-                per_head = torch.relu(q[i] @ keys[:count].float().t()) * self.head_dim**-0.5
-                total[i, :count] = (per_head * weights[i, :, None]).sum(dim=0)
-        values, ids = stable_topk(total, min(self.topk, n_entries))
+        values, ids = stable_topk(scores_per_query(q, weights, keys, counts), min(self.topk, n_entries))
         return ids.masked_fill(values == float("-inf"), -1)
 
     def decode_select(

@@ -150,18 +150,6 @@ class SharedIndexer(nn.Module):
         q = self.quantize(apply_rope(self.q_b_proj(q_residual).view(n, self.n_heads, self.head_dim), cos, sin))
         return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
 
-    def scores_per_query(
-        self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible_len: torch.Tensor
-    ) -> torch.Tensor:
-        """Deterministic mode: [n, T] float32 scores, each query over exactly its `visible_len` keys (the
-        entries complete at its position; -inf past them), batch-invariant."""
-        scores = torch.full((q.shape[0], keys.shape[0]), float("-inf"), device=q.device)
-        for i, visible in enumerate(visible_len.tolist()):
-            if visible > 0:
-                per_head = torch.relu(q[i] @ keys[:visible].float().t()) * self.head_dim**-0.5
-                scores[i, :visible] = (per_head * head_weights[i, :, None]).sum(dim=0)
-        return scores
-
     def top(self, scores: torch.Tensor) -> torch.Tensor | None:
         """[n, k] ids of the best entries (ties: lowest id), -1 where fewer than k are eligible."""
         k = min(self.topk, scores.shape[1])

@@ -146,8 +146,9 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch %s x table width %s pages), %.1f MiB",
                  len(self.graphs), self.sizes, self.widths, self.pool_bytes / 2**20)
 
-    def fits(self, rows: list[DecodeRow]) -> bool:
-        return 0 < len(rows) <= self.sizes[-1] and max(len(r.pages) for r in rows) <= self.widths[-1]
+    def fits(self, batch: int, widest_table: int) -> bool:
+        """Whether one captured bucket holds `batch` rows whose longest block table has `widest_table` pages."""
+        return 0 < batch <= self.sizes[-1] and widest_table <= self.widths[-1]
 
     def bucket(self, rows: list[DecodeRow]) -> tuple[int, int]:
         """(batch size, table width) of the graph that runs these rows."""

@@ -301,7 +301,7 @@ class ModelRunner:
     def _graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether one captured bucket holds these one-token chunks (batch size and block-table width)."""
         assert self.graphs is not None
-        return self.graphs.fits(self._decode_rows(chunks))
+        return self.graphs.fits(len(chunks), max(len(c.pages) for c in chunks))
 
     @staticmethod
     def _rows_wanted(chunk: ScheduledChunk) -> list[int]:
