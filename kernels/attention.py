@@ -7,9 +7,18 @@ no visible position. `decode_attention_reference` is the torch definition (the C
 oracle); on the GPU `decode_attention` runs two Triton kernels in place of the ~10 of the torch path:
 an online softmax per (sequence, 16 heads, 64 keys), float32 throughout, then a merge of the splits
 that adds the sink (so a row with no valid key yields zeros, never NaN).
+
+`decode_attention_in_place` reads the same keys where they live (`DecodeKeys`: the window ring by the
+sequence's slot, the paged compressed entries through its block table, by the indexer's picked ids or
+all of them) and derives which are visible from the position, so a step needs no gathered copy of the
+ring or of the picked entries, no concatenation and no mask tensors: ~13 launches a layer fewer, and
+the copies (a 128 x 512 ring and up to 512 entries a sequence) are not written and read back. Its keys
+come in the gathered path's order through the same tiles, so both give the same bits.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +44,65 @@ def decode_attention_reference(
     logits = torch.cat([scores, sink], dim=-1)
     probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
     return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
+
+
+@dataclass(frozen=True)
+class DecodeKeys:
+    """Where one decode query per sequence finds its keys (K = V), read in place.
+
+    The window: `ring` [slots, window, D], sequence b's at slot slots[b]; row r holds position
+    p - ((p - r) mod window) for the query at p = positions[b], a key when that is >= 0.
+    The compressed entries (optional): `entries` [pages, per_page, D] in the ring's dtype, entry e of sequence b at
+    (tables[b, e // per_page], e % per_page). Key j after the window is entry ids[b, j] (the picked
+    ids [B, n]; -1: none) or, without ids, entry j of every one the table can hold; it is a key when
+    0 <= e < (p + 1) // rate (rate 0: no limit by position)."""
+
+    ring: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    entries: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    rate: int = 0
+
+    @property
+    def entry_keys(self) -> int:
+        """Keys after the window a query walks."""
+        if self.entries is None:
+            return 0
+        return self.ids.shape[1] if self.ids is not None else self.tables.shape[1] * self.entries.shape[1]
+
+
+def gathered_keys_reference(source: DecodeKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys `source` describes, gathered: ([B, window + entry_keys, D] in the ring's dtype, valid
+    [B, window + entry_keys]), the operands of `decode_attention`."""
+    width = source.ring.shape[1]
+    positions = source.positions[:, None]
+    rows = torch.arange(width, device=positions.device)[None, :]
+    keys, valid = [source.ring[source.slots]], [positions - (positions - rows) % width >= 0]
+    if source.entries is not None:
+        per_page = source.entries.shape[1]
+        if source.ids is not None:
+            ids = source.ids
+        else:
+            ids = torch.arange(source.entry_keys, device=positions.device).expand(len(source.positions), -1)
+        limit = (positions + 1) // source.rate if source.rate else torch.full_like(positions, torch.iinfo(torch.int64).max)
+        shown = (ids >= 0) & (ids < limit)
+        safe = ids.clamp(min=0)
+        pages = source.tables.gather(1, (safe // per_page).clamp(max=source.tables.shape[1] - 1))
+        keys.append(source.entries[pages, safe % per_page].to(source.ring.dtype))
+        valid.append(shown)
+    return torch.cat(keys, dim=1), torch.cat(valid, dim=1)
+
+
+def decode_attention_in_place(q: torch.Tensor, source: DecodeKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention` over the keys `source` describes: the Triton kernel reads them where they
+    are; elsewhere (CPU, float32) they are gathered for the reference."""
+    head_dim = q.shape[-1]
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if triton is None or not q.is_cuda or not half or head_dim & (head_dim - 1) or head_dim < 16:
+        return decode_attention_reference(q, *gathered_keys_reference(source), sinks, scale)
+    return decode_attention_in_place_triton(q, source, sinks, scale)
 
 
 def decode_attention(
@@ -65,6 +133,44 @@ def decode_attention_triton(
         q, keys, valid, part_max, part_sum, part_acc, scale, heads, n_keys, splits,
         D=head_dim, BLOCK_H=BLOCK_HEADS, BLOCK_K=BLOCK_KEYS, KEYS_PER_SPLIT=KEYS_PER_SPLIT, num_warps=4,
     )
+    return _merge(q, part_max, part_sum, part_acc, sinks)
+
+
+def decode_attention_in_place_triton(q: torch.Tensor, source: DecodeKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention_triton`'s splits over the keys in place: a split's keys come from the ring or
+    the entries (both when the window is not a multiple of KEYS_PER_SPLIT), tile by tile as the
+    gathered kernel reads them."""
+    batch, heads, head_dim = q.shape
+    window = source.ring.shape[1]
+    entry_keys = source.entry_keys
+    splits = max(1, triton.cdiv(window + entry_keys, KEYS_PER_SPLIT))
+    q = q.contiguous()
+    ring = source.ring
+    if not ring.is_contiguous():
+        raise ValueError("the window ring must be contiguous")
+    has_entries = source.entries is not None
+    entries = source.entries if has_entries else ring
+    if has_entries and (not entries.is_contiguous() or entries.dtype != ring.dtype):
+        raise ValueError("the paged entries must be contiguous, of the ring's dtype")
+    tables = source.tables if has_entries else source.slots
+    ids = source.ids if source.ids is not None else source.slots
+    part_max = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    # slots and positions may be strided columns of one buffer (the decode graphs' inputs)
+    _in_place_split_kernel[(batch, triton.cdiv(heads, BLOCK_HEADS), splits)](
+        q, ring, source.slots, source.slots.stride(0), source.positions, source.positions.stride(0), entries, tables,
+        tables.stride(0), ids, ids.stride(0), part_max, part_sum, part_acc, scale,
+        heads, window, entry_keys, entries.shape[1] if has_entries else 1, source.rate, splits,
+        HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=BLOCK_HEADS,
+        BLOCK_K=BLOCK_KEYS, KEYS_PER_SPLIT=KEYS_PER_SPLIT, num_warps=4,
+    )
+    return _merge(q, part_max, part_sum, part_acc, sinks)
+
+
+def _merge(q: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor, part_acc: torch.Tensor,
+           sinks: torch.Tensor) -> torch.Tensor:
+    batch, heads, splits, head_dim = part_acc.shape
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](
         part_max, part_sum, part_acc, sinks.float().contiguous(), out, heads, splits,
@@ -81,35 +187,97 @@ if triton is not None:
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr,
     ):
         scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-        sequence = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        split = tl.program_id(2)
-        in_heads = head < heads
-        dim = tl.arange(0, D)
-        q = tl.load(q_ptr + sequence * heads * D + head[:, None] * D + dim[None, :], mask=in_heads[:, None], other=0.0)
-        # a split with no valid key keeps max -inf, sum 0, values 0 (the merge weighs it by 0)
-        running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        sequence, head, split, in_heads, dim, q = _program_queries(q_ptr, heads, D, BLOCK_H)
+        running_max, running_sum, acc = _empty_split(BLOCK_H, D)
         keys_base = keys_ptr + sequence * n_keys * D
         for offset in range(0, KEYS_PER_SPLIT, BLOCK_K):
             key = split * KEYS_PER_SPLIT + offset + tl.arange(0, BLOCK_K)
             in_keys = key < n_keys
             usable = (tl.load(valid_ptr + sequence * n_keys + key, mask=in_keys, other=0) != 0) & in_keys
             block = tl.load(keys_base + key[:, None] * D + dim[None, :], mask=usable[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(block)) * scale  # [BLOCK_H, BLOCK_K] float32
-            scores = tl.where(usable[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(running_max - safe_max)
-            probs = tl.exp(scores - safe_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(probs.to(block.dtype), block)
-            running_max = new_max
+            running_max, running_sum, acc = _online_softmax_step(q, block, usable, scale, running_max, running_sum, acc)
+        _store_split(max_ptr, sum_ptr, acc_ptr, running_max, running_sum, acc, sequence, head, in_heads, heads, split,
+                     splits, D)
+
+    @triton.jit
+    def _program_queries(q_ptr, heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (sequence, block of heads, split): its ids, the heads' mask, the channels and q."""
+        sequence = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_heads = head < heads
+        dim = tl.arange(0, D)
+        q = tl.load(q_ptr + sequence * heads * D + head[:, None] * D + dim[None, :], mask=in_heads[:, None], other=0.0)
+        return sequence, head, tl.program_id(2), in_heads, dim, q
+
+    @triton.jit
+    def _empty_split(BLOCK_H: tl.constexpr, D: tl.constexpr):
+        """A split's running max, sum and weighted values before its first key: one with no valid key
+        keeps max -inf, sum 0, values 0 (the merge weighs it by 0)."""
+        return (tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_H], dtype=tl.float32),
+                tl.zeros([BLOCK_H, D], dtype=tl.float32))
+
+    @triton.jit
+    def _online_softmax_step(q, block, usable, scale, running_max, running_sum, acc):
+        """One tile of keys (masked by `usable`) into a split's running max, sum and weighted values."""
+        scores = tl.dot(q, tl.trans(block)) * scale  # [BLOCK_H, BLOCK_K] float32
+        scores = tl.where(usable[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - safe_max)
+        probs = tl.exp(scores - safe_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(block.dtype), block)
+        return new_max, running_sum, acc
+
+    @triton.jit
+    def _store_split(max_ptr, sum_ptr, acc_ptr, running_max, running_sum, acc, sequence, head, in_heads, heads, split,
+                     splits, D: tl.constexpr):
         part = (sequence * heads + head) * splits + split
+        dim = tl.arange(0, D)
         tl.store(max_ptr + part, running_max, mask=in_heads)
         tl.store(sum_ptr + part, running_sum, mask=in_heads)
         tl.store(acc_ptr + part[:, None] * D + dim[None, :], acc, mask=in_heads[:, None])
+
+    @triton.jit(do_not_specialize=["entry_keys", "table_stride", "ids_stride", "rate", "splits"])
+    def _in_place_split_kernel(
+        q_ptr, ring_ptr, slots_ptr, slots_stride, positions_ptr, positions_stride, entries_ptr, tables_ptr,
+        table_stride, ids_ptr, ids_stride, max_ptr, sum_ptr, acc_ptr, scale, heads, window, entry_keys, per_page,
+        rate, splits,
+        HAS_ENTRIES: tl.constexpr, HAS_IDS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_K: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr,
+    ):
+        """Keys 0 .. window - 1 are the ring's rows, the rest entries (DecodeKeys, of the ring's dtype); a
+        tile's rows are addressed in whichever source holds each key and loaded at once."""
+        scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+        sequence, head, split, in_heads, dim, q = _program_queries(q_ptr, heads, D, BLOCK_H)
+        position = tl.load(positions_ptr + sequence * positions_stride).to(tl.int64)
+        ring_base = ring_ptr + tl.load(slots_ptr + sequence * slots_stride).to(tl.int64) * window * D
+        # entries below (p + 1) // rate have closed (rate 0: every picked id is)
+        limit = tl.where(rate > 0, (position + 1) // tl.maximum(rate, 1), position + (1 << 40))
+        running_max, running_sum, acc = _empty_split(BLOCK_H, D)
+        for offset in range(0, KEYS_PER_SPLIT, BLOCK_K):
+            key = split * KEYS_PER_SPLIT + offset + tl.arange(0, BLOCK_K)
+            in_ring = key < window
+            # row r holds position p - ((p - r) mod window); p - r + window > 0 keeps the remainder's sign
+            held = position - (position - key + window) % window
+            usable = in_ring & (held >= 0)
+            rows = ring_base + key * D
+            if HAS_ENTRIES:
+                j = key - window
+                in_entries = (key >= window) & (j < entry_keys)
+                if HAS_IDS:
+                    entry = tl.load(ids_ptr + sequence * ids_stride + j, mask=in_entries, other=-1).to(tl.int64)
+                else:
+                    entry = j.to(tl.int64)
+                entry_usable = in_entries & (entry >= 0) & (entry < limit)
+                page = tl.load(tables_ptr + sequence * table_stride + entry // per_page, mask=entry_usable, other=0)
+                # one load of one tile from either source (two tiles live at once spill at 512 channels)
+                rows = tl.where(in_ring, rows, entries_ptr + (page.to(tl.int64) * per_page + entry % per_page) * D)
+                usable = usable | entry_usable
+            block = tl.load(rows[:, None] + dim[None, :], mask=usable[:, None], other=0.0)
+            running_max, running_sum, acc = _online_softmax_step(q, block, usable, scale, running_max, running_sum, acc)
+        _store_split(max_ptr, sum_ptr, acc_ptr, running_max, running_sum, acc, sequence, head, in_heads, heads, split,
+                     splits, D)
 
     @triton.jit
     def _merge_splits_kernel(max_ptr, sum_ptr, acc_ptr, sinks_ptr, out_ptr, heads, splits, D: tl.constexpr, SPLITS: tl.constexpr):

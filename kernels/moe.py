@@ -27,7 +27,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.batch_invariant import batch_invariant_active
 from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, experts_by_expert, experts_sorted
+from kernels.moe_pairs import pair_table, plus_residual, sum_pairs
 from kernels.quant import MXFP4Experts
 
 try:
@@ -49,6 +51,8 @@ GATE_UP_BLOCKS = (16, 128)
 # step of ~170 sequences at top-6), the per-expert dequantizing loop beyond (prefill chunks)
 MXFP4_PAIRWISE_MAX_PAIRS = 1024
 DOWN_BLOCKS = (32, 64)
+# elements per program of the SwiGLU kernel
+SWIGLU_BLOCK = 1024
 
 
 ExpertWeights = torch.Tensor | MXFP4Experts
@@ -58,8 +62,25 @@ def _matrix(weights: ExpertWeights, local: int, dtype: torch.dtype) -> torch.Ten
     return weights[local] if isinstance(weights, torch.Tensor) else weights.expert(local, dtype)
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate clamped from above) x up clamped both sides, rounded as torch rounds it (silu's output
+    to the inputs' dtype, then the product): one launch on CUDA for the ~4 of torch's (the shared
+    expert's, every layer of a decode step); torch's ops in deterministic mode."""
+    if triton is None or not gate.is_cuda or batch_invariant_active() or gate.shape != up.shape:
+        return clamped_swiglu_reference(gate, up, limit)
+    return clamped_swiglu_triton(gate, up, limit)
+
+
+def clamped_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    count = gate.numel()
+    _clamped_swiglu_kernel[(triton.cdiv(count, SWIGLU_BLOCK),)](gate, up, out, count, limit, BLOCK=SWIGLU_BLOCK)
+    return out
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -76,10 +97,11 @@ def _capability(device: int) -> int:
 
 def experts_reference(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    first: int, limit: float, weight_before_down: bool,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D], weights / experts [T, k], gate_up [E, 2I, D], down [E, D, I] (tensors or MXFP4) ->
-    float32 [T, D]."""
+    float32 [T, D]; with `residual` [T, D] (the shared expert's output, when nothing is summed across
+    ranks in between): sum + residual in residual's dtype, as every path below."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     held = gate_up.shape[0]
     for expert in torch.unique(experts).tolist():
@@ -96,12 +118,12 @@ def experts_reference(
         else:
             y = F.linear(hidden.to(x.dtype), down_matrix).float() * weight
         out.index_add_(0, token_rows, y)
-    return out
+    return plus_residual(out, residual)
 
 
 def experts_grouped(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    first: int, limit: float, weight_before_down: bool,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `experts_reference`, without a host sync."""
     tokens, k = experts.shape
@@ -123,12 +145,12 @@ def experts_grouped(
     y = torch.where(inside[order][:, None], y, 0.0)  # rows past the last group are left unwritten
     per_slot = torch.empty_like(y)
     per_slot[order] = y
-    return per_slot.view(tokens, k, -1).sum(dim=1)
+    return plus_residual(per_slot.view(tokens, k, -1).sum(dim=1), residual)
 
 
 def experts_pairwise(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    first: int, limit: float, weight_before_down: bool,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None,
     gate_up_blocks: tuple[int, int] = GATE_UP_BLOCKS, down_blocks: tuple[int, int] = DOWN_BLOCKS,
 ) -> torch.Tensor:
     """Same contract as `experts_reference`, as Triton kernels (no host sync); float32 accumulation
@@ -136,10 +158,7 @@ def experts_pairwise(
     tokens, k = experts.shape
     held, double_inter, dim = gate_up.shape
     inter = double_inter // 2
-    local = experts.flatten() - first
-    inside = (local >= 0) & (local < held)
-    expert_of = torch.where(inside, local, -1).to(torch.int32).contiguous()
-    weight = torch.where(inside, weights.flatten().float(), 0.0).contiguous()
+    expert_of, weight = pair_table(experts, weights, first, held)
     x = x.contiguous()
     hidden = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
     rows, columns = gate_up_blocks
@@ -149,14 +168,14 @@ def experts_pairwise(
         x, expert_of, weight, values, scales, hidden, k, dim, inter, limit, weight_before_down,
         MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
-    out = torch.empty(tokens * k, dim, dtype=torch.float32, device=x.device)
+    out = torch.empty(1, tokens * k, dim, dtype=torch.float32, device=x.device)
     rows, columns = down_blocks
     values, scales = _kernel_operands(down)
     _down_kernel[(tokens * k, triton.cdiv(dim, rows))](
         hidden, expert_of, weight, values, scales, out, dim, inter, weight_before_down,
         MXFP4=packed, BLOCK_N=rows, BLOCK_K=columns, num_warps=4,
     )
-    return out.view(tokens, k, dim).sum(dim=1)
+    return sum_pairs(out, expert_of, weight, k, True, residual)  # the down kernel applied the weights
 
 
 def _kernel_operands(weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +188,7 @@ def _kernel_operands(weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor
 
 def experts_on_device(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    first: int, limit: float, weight_before_down: bool,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GPU path: pairwise kernels for a few pairs (a decode step of a small batch), grouped GEMMs
     otherwise. MXFP4 experts with bf16 activations: the tensor-core kernels of kernels/moe_mxfp4.py
@@ -185,10 +204,21 @@ def experts_on_device(
     else:
         small = triton is not None and experts.numel() <= PAIRWISE_MAX_PAIRS
         run = experts_pairwise if small else experts_grouped
-    return run(x, weights, experts, gate_up, down, first, limit, weight_before_down)
+    return run(x, weights, experts, gate_up, down, first, limit, weight_before_down, residual)
 
 
 if triton is not None:
+
+    @triton.jit(do_not_specialize=["count"])
+    def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, count, limit, BLOCK: tl.constexpr):
+        limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = index < count
+        gate = tl.minimum(tl.load(gate_ptr + index, mask=inside, other=0.0).to(tl.float32), limit)
+        up = tl.load(up_ptr + index, mask=inside, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = silu * tl.minimum(tl.maximum(up, -limit), limit)
+        tl.store(out_ptr + index, out.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _weight_tile(values_ptr, rows, cols, n_cols, mask):

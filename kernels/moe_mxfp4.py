@@ -12,12 +12,13 @@ word), so an expert's bytes cross the memory bus once however many tokens chose 
 Two ways to find an expert's pairs, one kernel body:
 - decode (`experts_by_expert`, up to MAX_SCAN_PAIRS pairs): program (pair, row block) works only if its
   pair is the (j x BLOCK_M)-th one routed to its expert; it scans the step's expert ids for that
-  expert's next BLOCK_M pairs. No sort, no host sync, two launches per layer (plus a memset): a decode
+  expert's next BLOCK_M pairs. No sort, no host sync, two launches per layer (and the pair table and sum): a decode
   step can be captured. At a few tokens that leaves most SMs idle (6 experts x 16 row blocks of 128 is
   96 programs for 132 SMs), so each GEMM can also split K into shares (`DECODE_SPLITS`, by pair count):
   the shares' float32 partial sums go to a [shares, pairs, rows] buffer and one small kernel adds them
-  in share order (then SiLU * up for gate_up, whose activation needs the whole sum; for down the
-  routing weights and the sum over a token's k experts, in slot order). No atomics, no sync: still
+  in share order (then SiLU * up for gate_up, whose activation needs the whole sum; for down, at any
+  share count, kernels/moe_pairs.py's sum: the routing weights and the sum over a token's k experts
+  in slot order, plus the shared expert's output where the layer adds it). No atomics, no sync: still
   capturable, and a replay gives its eager run's bits.
 - prefill (`experts_sorted`): the pairs sorted by expert in torch and cut into blocks of BLOCK_M pairs
   of one expert (a grouped GEMM over sorted tokens).
@@ -35,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.moe_pairs import pair_table, sum_pairs
 from kernels.quant import MXFP4Experts
 
 try:
@@ -86,8 +88,8 @@ DECODE_SPLITS: tuple[tuple[int, int, int], ...] = ((6, 2, 1), (12, 4, 2), (24, 2
 
 def experts_by_expert(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
-    first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = DECODE_BLOCKS,
-    upcast: str | None = None, splits: tuple[int, int] | None = None,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None, *,
+    blocks: Blocks = DECODE_BLOCKS, upcast: str | None = None, splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`experts_reference`'s contract (kernels/moe.py) for bf16 x and MXFP4 weights, at most
     MAX_SCAN_PAIRS pairs. `upcast`: one of UPCASTS (None: "ptx", or "bits" in Triton's interpreter);
@@ -96,10 +98,10 @@ def experts_by_expert(
     pairs = tokens * k
     if pairs > MAX_SCAN_PAIRS:
         raise ValueError(f"{pairs} (token, expert) pairs: the scanning kernels take at most {MAX_SCAN_PAIRS}")
-    expert_of = _local_experts(experts, first, gate_up.shape[0])
+    expert_of, weight = pair_table(experts, weights, first, gate_up.shape[0])
     table = _ScanTable(expert_of, pairs)
-    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
-                _checked(upcast), splits or decode_splits(pairs))
+    return _run(x, weight, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
+                _checked(upcast), splits or decode_splits(pairs), residual)
 
 
 def decode_splits(pairs: int) -> tuple[int, int]:
@@ -109,18 +111,18 @@ def decode_splits(pairs: int) -> tuple[int, int]:
 
 def experts_sorted(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
-    first: int, limit: float, weight_before_down: bool, *, blocks: Blocks = PREFILL_BLOCKS,
-    upcast: str | None = None,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None, *,
+    blocks: Blocks = PREFILL_BLOCKS, upcast: str | None = None,
 ) -> torch.Tensor:
     """The same for any number of pairs (prefill): pairs sorted by expert into blocks of one expert."""
     tokens, k = experts.shape
     held = gate_up.shape[0]
-    expert_of = _local_experts(experts, first, held)
+    expert_of, weight = pair_table(experts, weights, first, held)
     table = _SortedTable.build(expert_of, held, blocks["gate_up"][0])
     if blocks["down"][0] != blocks["gate_up"][0]:
         raise ValueError("the sorted kernels share one block table: gate_up and down need the same BLOCK_M")
-    return _run(x, weights, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
-                _checked(upcast), (1, 1))
+    return _run(x, weight, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
+                _checked(upcast), (1, 1), residual)
 
 
 def _interpreting() -> bool:
@@ -135,12 +137,6 @@ def _checked(upcast: str | None) -> str:
     if upcast == "ptx" and _interpreting():
         raise ValueError("Triton's interpreter runs no inline PTX: upcast 'ptx' needs the GPU")
     return upcast
-
-
-def _local_experts(experts: torch.Tensor, first: int, held: int) -> torch.Tensor:
-    """Each pair's expert among this rank's [first, first + held), -1 for another rank's."""
-    local = experts.flatten() - first
-    return torch.where((local >= 0) & (local < held), local, -1).to(torch.int32).contiguous()
 
 
 class _ScanTable:
@@ -189,10 +185,11 @@ class _SortedTable:
 
 
 def _run(
-    x: torch.Tensor, weights: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
+    x: torch.Tensor, weight: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
     gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
-    blocks: Blocks, upcast: str, splits: tuple[int, int],
+    blocks: Blocks, upcast: str, splits: tuple[int, int], residual: torch.Tensor | None,
 ) -> torch.Tensor:
+    """`weight`: pair_table's (0 for another rank's pair)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 tensor-core experts take bf16 activations, got {x.dtype}")
     tokens = x.shape[0]
@@ -200,7 +197,6 @@ def _run(
     _, double_inter, dim = gate_up.shape
     inter = double_inter // 2
     x = x.contiguous()
-    weight = torch.where(expert_of >= 0, weights.flatten().float(), 0.0).contiguous()
     tables = (expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight)
     shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting())
     tile = Tile(*blocks["gate_up"])
@@ -219,22 +215,13 @@ def _run(
         )
     tile = Tile(*blocks["down"])
     shares, share_steps = _shares(inter, tile.block_k, splits[1])
-    if shares == 1:
-        out = torch.zeros(pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' pairs stay 0
-    else:
-        out = torch.empty(shares, pairs, dim, dtype=torch.float32, device=x.device)
+    out = torch.empty(shares, pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' rows stay unread
     _down_kernel[(table.programs, triton.cdiv(dim, tile.block_n), shares)](
-        hidden, *tables, down.codes, down.scales, out, pairs, dim, inter, share_steps, weight_before_down,
-        SPLIT=shares > 1, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
+        hidden, *tables, down.codes, down.scales, out, pairs, dim, inter, share_steps,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages, **shared,
     )
-    if shares == 1:
-        return out.view(tokens, k, dim).sum(dim=1)
-    summed = torch.empty(tokens, dim, dtype=torch.float32, device=x.device)
-    _combine_shares_kernel[(tokens, triton.cdiv(dim, REDUCE_BLOCK))](
-        out, expert_of, weight, summed, pairs, dim, shares, k, weight_before_down, BLOCK=REDUCE_BLOCK, num_warps=4,
-    )
-    return summed
+    return sum_pairs(out, expert_of, weight, k, weight_before_down, residual)
 
 
 def _shares(width: int, block_k: int, wanted: int) -> tuple[int, int]:
@@ -434,12 +421,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _down_kernel(
         hidden_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
-        codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, share_steps, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SPLIT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, share_steps, SORTED: tl.constexpr, UPCAST: tl.constexpr,
+        F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Program (block, row block, share): the down product over K steps [share x share_steps, + share_steps)
-        to out[share, pair, rows] (SPLIT), else times the routing weight to out[pair, rows]."""
+        to out[share, pair, rows], unweighted (kernels/moe_pairs.py's sum applies the routing weights)."""
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
                                            block_end_ptr, pairs, SORTED, BLOCK_M)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -455,10 +441,7 @@ if triton is not None:
                         mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
             acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,
                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
-        if SPLIT:
-            row_of += tl.program_id(2).to(tl.int64) * pairs
-        elif not WEIGHT_BEFORE_DOWN:
-            acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+        row_of += tl.program_id(2).to(tl.int64) * pairs
         tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])
 
     @triton.jit(do_not_specialize=["pairs", "shares"])
@@ -480,23 +463,3 @@ if triton is not None:
         if WEIGHT_BEFORE_DOWN:
             hidden = hidden * tl.load(weight_ptr + pair)
         tl.store(hidden_ptr + pair.to(tl.int64) * inter + cols, hidden.to(tl.bfloat16), mask=inside)
-
-    @triton.jit(do_not_specialize=["pairs", "shares"])
-    def _combine_shares_kernel(partial_ptr, expert_of_ptr, weight_ptr, out_ptr, pairs, dim, shares, k,
-                               WEIGHT_BEFORE_DOWN: tl.constexpr, BLOCK: tl.constexpr):
-        """out[token, cols] = sum over the token's k slots, in slot order, of (the down product summed
-        over the shares in share order) x its routing weight (unless applied before down); another
-        rank's pair adds 0 (its partial rows were never written)."""
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for slot in range(0, k):
-            pair = token * k + slot
-            inside = (cols < dim) & (cols * 0 + tl.load(expert_of_ptr + pair) >= 0)
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for share in range(0, shares):
-                acc += tl.load(partial_ptr + (share * pairs + pair).to(tl.int64) * dim + cols, mask=inside, other=0.0)
-            if not WEIGHT_BEFORE_DOWN:
-                acc = acc * tl.load(weight_ptr + pair)
-            total += acc
-        tl.store(out_ptr + token.to(tl.int64) * dim + cols, total, mask=cols < dim)

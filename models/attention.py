@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import decode_attention
+from kernels.attention import DecodeKeys, decode_attention, decode_attention_in_place
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
-from models.cache import LayerCache, paged_gather, paged_gather_rows, paged_pages, paged_read
+from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
 from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
@@ -107,24 +107,19 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: LayerCache) -> torch.Tensor:
         """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows
         masked by position, then the compressed entries (CSA: the indexer's top-k of every entry the
-        block table can hold; HCA: all of them), masked by visibility."""
+        block table can hold; HCA: all of them), visible by position."""
         cos, sin, q_residual, q, kv = self._project(x, batch.positions)
-        keys, valid = window_keys_decode(batch, kv, cache.window)
+        window_append(batch, kv, cache.window)
+        entries, ids, rate = None, None, 0
         if self.compressor is not None:
             self.compressor.decode_update(x, batch, cache.compressor, self.rope)
-            entries = cache.compressor.entries
+            entries, rate = cache.compressor.entries, self.compressor.rate
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.decode_update(x, batch, cache.indexer, self.rope)
-                ids, chosen = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
-                compressed = paged_gather_rows(entries, batch.block_tables, ids)
-            else:
-                compressed = paged_pages(entries, batch.block_tables).flatten(1, 2)
-                count = compressed.shape[1]
-                visible = (batch.positions + 1) // self.compressor.rate
-                chosen = torch.arange(count, device=x.device)[None, :] < visible[:, None]
-            keys, valid = torch.cat([keys, compressed], dim=1), torch.cat([valid, chosen], dim=1)
-        return self._output(decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, sin)
+                ids = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
+        out = attend_decode(q, batch, cache.window, entries, ids, rate, self.sinks, self.head_dim**-0.5)
+        return self._output(out, cos, sin)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(cos, sin, q's low-rank residual, q [T, heads, head_dim], kv [T, head_dim]), both roped."""
@@ -238,13 +233,40 @@ def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> t
     return keys, bias
 
 
-def window_keys_decode(batch: DecodeBatch, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stores each sequence's new entry in its slot's ring, then returns the whole ring [B, window, dim]
-    and which rows hold a position of the query's window: row r holds p - ((p - r) mod window), which
-    lies in (p - window, p] and is valid when it is >= 0."""
+def window_append(batch: DecodeBatch, kv: torch.Tensor, ring: torch.Tensor) -> None:
+    """Stores each sequence's new entry in its slot's ring, at row position % window."""
+    ring[batch.slots, batch.positions % ring.shape[1]] = kv.to(ring.dtype)
+
+
+def attend_decode(
+    q: torch.Tensor, batch: DecodeBatch, ring: torch.Tensor, entries: PagedStore | None, ids: torch.Tensor | None,
+    rate: int, sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over its window ring (the new entry appended) and,
+    with `entries`, the compressed entries: those at the picked `ids` [B, n] (-1: none), or every one
+    the block table can hold; an entry is visible below (position + 1) // rate (rate 0: every picked
+    one is). A plain tensor store of the ring's dtype is read in place by the kernel
+    (kernels/attention.py, DecodeKeys); a packed one is unpacked by a gather first."""
+    if entries is None or (isinstance(entries, torch.Tensor) and entries.dtype == ring.dtype):
+        source = DecodeKeys(ring, batch.slots, batch.positions, entries, batch.block_tables if entries is not None else None,
+                            ids, rate)
+        return decode_attention_in_place(q, source, sinks, scale)
+    keys, valid = gathered_window(batch, ring)
+    if ids is None:
+        compressed = paged_pages(entries, batch.block_tables).flatten(1, 2)
+        ids = torch.arange(compressed.shape[1], device=q.device).expand(len(batch.positions), -1)
+    else:
+        compressed = paged_gather_rows(entries, batch.block_tables, ids.clamp(min=0))
+    visible = (ids >= 0) & (ids < (batch.positions[:, None] + 1) // rate) if rate else ids >= 0
+    keys, valid = torch.cat([keys, compressed.to(keys.dtype)], dim=1), torch.cat([valid, visible], dim=1)
+    return decode_attention(q, keys, valid, sinks, scale)
+
+
+def gathered_window(batch: DecodeBatch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's whole ring [B, window, dim] and which rows hold a position of the query's window:
+    row r holds p - ((p - r) mod window), which lies in (p - window, p] and is valid when it is >= 0."""
     width = ring.shape[1]
-    ring[batch.slots, batch.positions % width] = kv.to(ring.dtype)
-    rows = torch.arange(width, device=kv.device)[None, :]
+    rows = torch.arange(width, device=ring.device)[None, :]
     positions = batch.positions[:, None]
     held = positions - (positions - rows) % width
     return ring[batch.slots], held >= 0

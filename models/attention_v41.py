@@ -15,20 +15,20 @@ import torch
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
-from kernels.attention import decode_attention
 from kernels.batch_invariant import batch_invariant_active
 from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, scores_per_query
 from kernels.indexer import indexer_scores
 from models.attention import (
     add_attention_projections,
+    attend_decode,
     attend_keys_and_picked,
     attend_per_query,
     attention_output,
+    window_append,
     window_keys,
-    window_keys_decode,
 )
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
-from models.cache import ModelCache, paged_gather, paged_gather_rows, paged_read
+from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, select_candidate_blocks
 from models.layers import RotaryTable, apply_rope
@@ -115,12 +115,12 @@ class SharedCompressedAttention(nn.Module):
             self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)
         if self.indexer is not None:
             self._decode_select(x, q_residual, batch, cache, selection, cos, sin)
-        keys, valid = window_keys_decode(batch, kv, layer.window)
+        window_append(batch, kv, layer.window)
+        entries, ids = None, None
         if self.kv_source is not None and selection.topk is not None:
-            ids = selection.topk
-            picked = paged_gather_rows(cache.layers[self.kv_source].shared.entries, batch.block_tables, ids.clamp(min=0))
-            keys, valid = torch.cat([keys, picked.to(keys.dtype)], dim=1), torch.cat([valid, ids >= 0], dim=1)
-        return attention_output(self, decode_attention(q, keys, valid, self.sinks, self.head_dim**-0.5), cos, sin)
+            entries, ids = cache.layers[self.kv_source].shared.entries, selection.topk
+        out = attend_decode(q, batch, layer.window, entries, ids, 0, self.sinks, self.head_dim**-0.5)
+        return attention_output(self, out, cos, sin)
 
     def _decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: ModelCache,

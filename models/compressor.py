@@ -138,17 +138,17 @@ class Indexer(WindowPooler):
     def decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: PoolerCache,
         cos: torch.Tensor, sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One query per sequence, scored against every entry its block table can hold (the table's
-        width fixes the shapes); returns (entry ids [B, k], chosen [B, k]): the top-k by score, and
-        which of them are visible (an id past the visible entries is not chosen)."""
+        width fixes the shapes); returns the top-k entry ids by score [B, k] (those at or past the
+        visible entries, (position + 1) // rate, are not attended)."""
         n_heads, dim = self.n_heads, self.head_dim
         q = apply_rope(self.q_b_proj(q_residual).view(-1, n_heads, dim), cos, sin).float()
         weights = self.scorer.weights_proj(x).float() * n_heads**-0.5
         visible = (batch.positions + 1) // self.rate
         total = indexer_scores(q, weights, cache.entries, batch.block_tables, visible)
         _, ids = stable_topk(total, min(self.topk, total.shape[1]))
-        return ids, ids < visible[:, None]
+        return ids
 
 
 class CompressedSparseCompressor(WindowPooler):

@@ -87,14 +87,16 @@ class Experts(nn.Module):
             return self._parameters[leaf]
         return MXFP4Experts(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of this rank's experts for every token (zero where it chose none of them):
-        Triton or grouped GEMMs on the GPU (no host sync, capturable), the reference loop on the CPU and in
-        deterministic mode (whose batch-invariant GEMMs it goes through)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The weighted sum of this rank's experts for every token (zero where it chose none of them) in
+        float32, or with `residual` added in its dtype: Triton or grouped GEMMs on the GPU (no host
+        sync, capturable), the reference loop on the CPU and in deterministic mode (whose
+        batch-invariant GEMMs it goes through)."""
         use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
         run = experts_on_device if use_grouped else experts_reference
         return run(x, weights, experts, self.weights("gate_up_proj"), self.weights("down_proj"), self.first, self.limit,
-                   self.weight_before_down)
+                   self.weight_before_down, residual)
 
 
 class SharedExpert(nn.Module):
@@ -121,6 +123,11 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(config, tp)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Routed plus shared experts in float32, cast to x's dtype after the all-reduce; on one rank
+        the routed experts' last kernel adds the shared expert's output and casts (kernels/moe_pairs.py)."""
         weights, experts = self.gate(x, token_ids)
-        out = self.experts(x, weights, experts) + self.shared_experts(x).float()
+        shared = self.shared_experts(x)
+        if self.tp.world_size == 1:
+            return self.experts(x, weights, experts, residual=shared).to(x.dtype)
+        out = self.experts(x, weights, experts) + shared.float()
         return self.tp.all_reduce(out).to(x.dtype)

@@ -359,6 +359,25 @@ def test_decode_attention_kernel_compiled_equals_the_reference(n_keys):
     check_decode_attention(batch=2, heads=4, n_keys=n_keys, dim=32, dtype=torch.bfloat16, seed=n_keys, device="cuda")
 
 
+def test_moe_pair_kernels_and_swiglu_compiled_equal_their_references():
+    """V4-Flash widths: 32 tokens at top-6 over 4096 channels, shares of a split down GEMM; the shared
+    expert's SwiGLU in bf16 (2048 wide) and float32."""
+    from tests.test_triton_kernels import check_clamped_swiglu, check_moe_pairs
+
+    check_moe_pairs(tokens=32, k=6, dim=4096, shares=1, seed=7, device="cuda")
+    check_moe_pairs(tokens=1, k=6, dim=4096, shares=2, seed=8, device="cuda")
+    check_clamped_swiglu((32, 2048), torch.bfloat16, seed=9, device="cuda")
+    check_clamped_swiglu((5, 3000), torch.float32, seed=10, device="cuda")
+
+
+def test_decode_attention_in_place_compiled_equals_the_gathered_kernel():
+    """V4-Flash widths (64 heads of 512, window 128) and a small head."""
+    from tests.test_triton_kernels import check_decode_attention_in_place
+
+    check_decode_attention_in_place(batch=4, heads=64, window=128, dim=512, dtype=torch.bfloat16, seed=5, device="cuda")
+    check_decode_attention_in_place(batch=5, heads=4, window=40, dim=32, dtype=torch.bfloat16, seed=6, device="cuda")
+
+
 def test_rope_kernel_compiled_equals_the_reference():
     from tests.test_triton_kernels import check_rope
 

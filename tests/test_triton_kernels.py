@@ -168,6 +168,134 @@ def test_decode_attention_kernel_equals_the_reference():
     check_decode_attention(batch=3, heads=20, n_keys=150, dim=32, dtype=torch.float32, seed=1)
 
 
+def check_decode_attention_in_place(batch: int, heads: int, window: int, dim: int, dtype: torch.dtype, seed: int,
+                                    device: str = DEVICE) -> None:
+    """The in-place kernel over a ring and paged entries (by picked ids, or all of them) against the
+    gathered kernel on the same keys (same keys, order and tiles: the same bits in Triton's interpreter;
+    compiled, the tiles' products may be ordered differently, so within bf16 rounding) and the reference:
+    positions before the ring fills, a window not a multiple of the 64-key split, picked ids past
+    the visible entries or -1, and a sequence with no visible entry."""
+    from kernels.attention import (
+        DecodeKeys,
+        decode_attention_in_place_triton,
+        decode_attention_reference,
+        decode_attention_triton,
+        gathered_keys_reference,
+    )
+
+    generator = torch.Generator(device).manual_seed(seed)
+    slots, pages, per_page, width, rate = 6, 40, 4, 5, 4
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    q, ring, entries = rand(batch, heads, dim), rand(slots, window, dim), rand(pages, per_page, dim)
+    sinks = torch.randn(heads, generator=generator, device=device)
+    # slots and positions as strided columns of one buffer, as the decode graphs pass them; ids a slice
+    inputs = torch.zeros(batch, 3, dtype=torch.long, device=device)
+    slot_of, positions = inputs[:, 0], inputs[:, 1]
+    slot_of.copy_(torch.randperm(slots, generator=generator, device=device)[:batch])
+    positions.copy_(torch.randint(0, width * per_page * rate, (batch,), generator=generator, device=device))
+    positions[0], positions[1] = 2, window + 3  # a ring not full yet (and no closed entry), then one past it
+    tables = torch.randperm(pages, generator=generator, device=device)[: batch * width].view(batch, width)
+    ids = torch.randint(-1, width * per_page, (batch, 11), generator=generator, device=device)[:, 2:]
+    for source in (
+        DecodeKeys(ring, slot_of, positions),
+        DecodeKeys(ring, slot_of, positions, entries, tables, None, rate),  # HCA: every entry
+        DecodeKeys(ring, slot_of, positions, entries, tables, ids, rate),  # CSA: picked ids
+        DecodeKeys(ring, slot_of, positions, entries, tables, ids, 0),  # V4.1: no limit by position
+    ):
+        keys, valid = gathered_keys_reference(source)
+        got = decode_attention_in_place_triton(q, source, sinks, dim**-0.5)
+        gathered = decode_attention_triton(q, keys, valid, sinks, dim**-0.5)
+        if device == "cpu":
+            assert torch.equal(got, gathered)
+        else:
+            torch.testing.assert_close(got, gathered, rtol=1e-2, atol=1e-2)
+        want = decode_attention_reference(q.float(), keys.float(), valid, sinks, dim**-0.5)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_decode_attention_in_place_equals_the_gathered_kernel():
+    check_decode_attention_in_place(batch=4, heads=20, window=40, dim=32, dtype=torch.float32, seed=0)
+    check_decode_attention_in_place(batch=3, heads=4, window=64, dim=16, dtype=torch.float32, seed=1)
+
+
+def test_gathered_keys_reference_is_the_models_gather():
+    """The reference gather equals the model's for packed stores: the ring masked by position
+    (models.attention's gathered_window after the append) and the picked entries through the block
+    tables."""
+    from kernels.attention import DecodeKeys, gathered_keys_reference
+    from models.attention import gathered_window, window_append
+    from models.batch import DecodeBatch
+    from models.cache import paged_gather_rows
+
+    generator = torch.Generator().manual_seed(3)
+    ring, entries = torch.randn(3, 8, 4, generator=generator), torch.randn(10, 2, 4, generator=generator)
+    batch = DecodeBatch.build([(2, 0, 5, [3, 1, 7]), (0, 0, 30, [9, 2, 4])])
+    kv = torch.randn(2, 4, generator=generator)
+    window_append(batch, kv, ring)
+    keys, valid = gathered_window(batch, ring)
+    ids = torch.tensor([[0, 5, 1], [2, -1, 4]])
+    got_keys, got_valid = gathered_keys_reference(DecodeKeys(ring, batch.slots, batch.positions, entries,
+                                                              batch.block_tables, ids, 4))
+    picked = paged_gather_rows(entries, batch.block_tables, ids.clamp(min=0))
+    assert torch.equal(got_keys, torch.cat([keys, picked], dim=1))
+    limit = (batch.positions[:, None] + 1) // 4
+    assert torch.equal(got_valid, torch.cat([valid, (ids >= 0) & (ids < limit)], dim=1))
+
+
+def check_moe_pairs(tokens: int, k: int, dim: int, shares: int, seed: int, device: str = DEVICE) -> None:
+    """The pair table and the per-token sum against their references, bitwise: experts of other ranks
+    (ids outside [first, first + held)) with NaN in their unwritten rows, any share count, weights
+    applied or not, with and without the shared expert's bf16 output added."""
+    from kernels.moe_pairs import pair_table_reference, pair_table_triton, sum_pairs_reference, sum_pairs_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    first, held = 8, 16
+    experts = torch.randint(0, 32, (tokens, k), generator=generator, device=device)
+    weights = torch.rand(tokens, k, generator=generator, device=device)
+    got, want = pair_table_triton(experts, weights, first, held), pair_table_reference(experts, weights, first, held)
+    assert got[0].dtype == torch.int32 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    expert_of, weight = want
+    partial = torch.randn(shares, tokens * k, dim, generator=generator, device=device)
+    partial[:, expert_of < 0] = float("nan")  # another rank's rows are never written
+    residual = torch.randn(tokens, dim, generator=generator, device=device).to(torch.bfloat16)
+    for weighted in (True, False):
+        for plus in (None, residual):
+            out = sum_pairs_triton(partial, expert_of, weight, k, weighted, plus)
+            expected = sum_pairs_reference(partial, expert_of, weight, k, weighted, plus)
+            assert out.dtype == expected.dtype
+            if plus is None or device == "cuda":
+                assert torch.equal(out, expected)
+            else:  # Triton's interpreter casts to bf16 by truncation: one bf16 step at most
+                torch.testing.assert_close(out, expected, rtol=2**-7, atol=0)
+    assert not sum_pairs_reference(partial, expert_of, weight, k, False).isnan().any()
+
+
+def test_moe_pair_kernels_equal_their_references():
+    check_moe_pairs(tokens=5, k=6, dim=300, shares=1, seed=0)  # dim: a partial second block of 256
+    check_moe_pairs(tokens=3, k=2, dim=64, shares=3, seed=1)
+
+
+def check_clamped_swiglu(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
+    from kernels.moe import clamped_swiglu_reference, clamped_swiglu_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    gate = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
+    up = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
+    got, want = clamped_swiglu_triton(gate, up, 7.0), clamped_swiglu_reference(gate, up, 7.0)
+    assert got.dtype == want.dtype and got.abs().max() <= 7.0 * 7.0
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_clamped_swiglu_kernel_equals_the_reference():
+    """Values past the clamp of 7 on both sides, and a length not a multiple of the 1024-element block."""
+    check_clamped_swiglu((3, 700), torch.float32, seed=0)
+
+
 def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
     from kernels.rope import apply_rope_reference, apply_rope_triton
 
