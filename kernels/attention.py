@@ -255,7 +255,8 @@ if triton is not None:
         # entries below (p + 1) // rate have closed (rate 0: every picked id is)
         limit = tl.where(rate > 0, (position + 1) // tl.maximum(rate, 1), position + (1 << 40))
         running_max, running_sum, acc = _empty_split(BLOCK_H, D)
-        for offset in range(0, KEYS_PER_SPLIT, BLOCK_K):
+        # unrolled: the tiles' id and page loads do not wait on each other's softmax, so they overlap
+        for offset in tl.static_range(0, KEYS_PER_SPLIT, BLOCK_K):
             key = split * KEYS_PER_SPLIT + offset + tl.arange(0, BLOCK_K)
             in_ring = key < window
             # row r holds position p - ((p - r) mod window); p - r + window > 0 keeps the remainder's sign

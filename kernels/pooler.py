@@ -7,7 +7,10 @@ the paged store where the token closes the window. In torch that is ~30 small ke
 index puts, six gathers, masks, a cat, a softmax over a middle dim, the norm's and the rope's ops, the
 paged write's gather and where), and a V4 decode step runs two poolers per CSA layer and one per HCA
 layer: ~125 launches of a 4-layer step's ~290 (docs/decode-launches.md, G2). On the GPU
-`pool_decode_triton` is one program per sequence doing all of it.
+`pool_decode_triton` is two kernels: one program per (sequence, block of channel pairs) writes the
+ring and pools its channels (the softmax is per channel), then one per sequence norms, turns and
+stores the entry. One program per sequence for all of it measured ~50 us a call on the H200 (a window
+of 128 tokens x 512 channels walked by one SM; thirteenth session's profile).
 
 `combine_windows` and `pool_decode_reference` are the torch definitions: the CPU path, the prefill
 path's pooling (models/compressor.py) and the kernel's oracle.
@@ -31,6 +34,7 @@ except ImportError:  # CPU-only installs: the reference path runs
     triton = None
 
 SLOT_CHUNK = 16  # window tokens a program loads at once (a window of 128 takes 8 or 16 chunks)
+PAIRS_PER_PROGRAM = 32  # channel pairs a pooling program owns (64 channels: 8 programs for 512)
 
 
 def combine_windows(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor,
@@ -81,7 +85,7 @@ def pool_decode_triton(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: torc
                        kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float, cos: torch.Tensor, sin: torch.Tensor, rate: int, overlap: bool,
                        store: torch.Tensor | None = None, tables: torch.Tensor | None = None) -> torch.Tensor:
-    """`pool_decode_reference` as one program per sequence. With a plain paged `store`
+    """`pool_decode_reference` on the GPU (see the module docstring). With a plain paged `store`
     [pages, per_page, dim] and the block `tables` [B, P], each sequence whose token closes its window
     (position + 1 a multiple of `rate`) also writes its entry there, at entry id position // rate.
     `slots`, `positions` and `tables` may be strided views (the decode graphs' static input rows)."""
@@ -97,15 +101,23 @@ def pool_decode_triton(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: torc
     write = store is not None
     if write and (tables is None or store.dtype != raw_kv.dtype or not store.is_contiguous()):
         raise ValueError("pool_decode_triton: a store is written through its block tables, in the raw dtype")
-    _pool_decode_kernel[(batch,)](
-        raw_kv, raw_gate, kv.contiguous(), gate.contiguous(), slots, positions, bias, norm_weight,
-        cos.float().contiguous(), sin.float().contiguous(), out,
-        store if write else out, tables if write else positions,
-        slots.stride(0), positions.stride(0), tables.stride(0) if write else 0, store.shape[1] if write else 1,
-        ring, rate, eps,
-        WIDTH=width, HALF=dim // 2, ROPE_HALF=cos.shape[-1], SLOTS=(2 if overlap else 1) * rate,
-        OVERLAP=overlap, WRITE=write, CHUNK=min(SLOT_CHUNK, triton.next_power_of_2((2 if overlap else 1) * rate)),
-        num_warps=4,
+    half = dim // 2
+    pairs = min(PAIRS_PER_PROGRAM, half)
+    blocks = half // pairs
+    pooled = torch.empty(batch, dim, dtype=raw_kv.dtype, device=raw_kv.device)
+    squares = torch.empty(batch, blocks, dtype=torch.float32, device=raw_kv.device)
+    slots_count = (2 if overlap else 1) * rate
+    _pool_window_kernel[(batch, blocks)](
+        raw_kv, raw_gate, kv.contiguous(), gate.contiguous(), slots, positions, bias, pooled, squares,
+        slots.stride(0), positions.stride(0), ring, rate,
+        WIDTH=width, HALF=half, PAIRS=pairs, SLOTS=slots_count, OVERLAP=overlap,
+        CHUNK=min(SLOT_CHUNK, triton.next_power_of_2(slots_count)), num_warps=4,
+    )
+    _pool_finish_kernel[(batch,)](
+        pooled, squares, norm_weight, cos.float().contiguous(), sin.float().contiguous(), out,
+        store if write else out, tables if write else positions, positions, positions.stride(0),
+        tables.stride(0) if write else 0, store.shape[1] if write else 1, rate, eps,
+        HALF=half, ROPE_HALF=cos.shape[-1], BLOCKS=blocks, WRITE=write, num_warps=4,
     )
     return out
 
@@ -147,21 +159,25 @@ if triton is not None:
         return tl.sum((value * weight).to(raw_kv.dtype.element_ty).to(tl.float32), axis=0)
 
     @triton.jit
-    def _pool_decode_kernel(
-        raw_kv, raw_gate, kv_new, gate_new, slots, positions, bias, norm_weight, cos, sin, out,
-        store, tables, slot_stride, position_stride, table_stride, per_page, ring, rate, eps,
-        WIDTH: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, SLOTS: tl.constexpr,
-        OVERLAP: tl.constexpr, WRITE: tl.constexpr, CHUNK: tl.constexpr,
+    def _pool_window_kernel(
+        raw_kv, raw_gate, kv_new, gate_new, slots, positions, bias, pooled, squares,
+        slot_stride, position_stride, ring, rate,
+        WIDTH: tl.constexpr, HALF: tl.constexpr, PAIRS: tl.constexpr, SLOTS: tl.constexpr,
+        OVERLAP: tl.constexpr, CHUNK: tl.constexpr,
     ):
-        eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
+        """Program (sequence, block of PAIRS channel pairs): the token's channels of the block join the
+        ring, then the block's pooled entry channels (rounded to the model dtype) go to `pooled` and
+        their sum of squares to `squares[sequence, block]`. A program reads back only the channels it
+        wrote, so programs need no ordering between them."""
         DIM: tl.constexpr = 2 * HALF
         b = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
         slot_id = tl.load(slots + b * slot_stride).to(tl.int64)
         position = tl.load(positions + b * position_stride).to(tl.int64)
         base = slot_id * ring * WIDTH
         # the token joins its ring first: its own window reads it back below
         for c in tl.static_range(0, WIDTH, DIM):
-            channel = c + tl.arange(0, DIM)
+            channel = c + block * 2 * PAIRS + tl.arange(0, 2 * PAIRS)
             here = base + (position % ring) * WIDTH + channel
             tl.store(raw_kv + here, tl.load(kv_new + b * WIDTH + channel).to(raw_kv.dtype.element_ty))
             tl.store(raw_gate + here, tl.load(gate_new + b * WIDTH + channel).to(raw_gate.dtype.element_ty))
@@ -169,13 +185,13 @@ if triton is not None:
 
         window = position // rate
         start = window * rate
-        pair = tl.arange(0, HALF)
+        pair = block * PAIRS + tl.arange(0, PAIRS)
         even, odd = 2 * pair, 2 * pair + 1
         # pass 1: each channel's max and sum of exp over the window's slots (online)
-        peak_even = tl.full([HALF], -1.0e30, tl.float32)
-        peak_odd = tl.full([HALF], -1.0e30, tl.float32)
-        total_even = tl.zeros([HALF], tl.float32)
-        total_odd = tl.zeros([HALF], tl.float32)
+        peak_even = tl.full([PAIRS], -1.0e30, tl.float32)
+        peak_odd = tl.full([PAIRS], -1.0e30, tl.float32)
+        total_even = tl.zeros([PAIRS], tl.float32)
+        total_odd = tl.zeros([PAIRS], tl.float32)
         for first in tl.range(0, SLOTS, CHUNK):
             at, bias_at, valid = _window_slots(first, start, base, ring, rate, SLOTS, DIM, WIDTH, OVERLAP, CHUNK)
             g_even = _gates(raw_gate, bias, at, bias_at, even, valid)
@@ -186,27 +202,50 @@ if triton is not None:
             total_odd = total_odd * tl.exp(peak_odd - new_odd) + tl.sum(tl.exp(g_odd - new_odd[None, :]), axis=0)
             peak_even, peak_odd = new_even, new_odd
         # pass 2: the weights, rounded to the model dtype as the torch path does, times kv
-        acc_even = tl.zeros([HALF], tl.float32)
-        acc_odd = tl.zeros([HALF], tl.float32)
+        acc_even = tl.zeros([PAIRS], tl.float32)
+        acc_odd = tl.zeros([PAIRS], tl.float32)
         for first in tl.range(0, SLOTS, CHUNK):
             at, bias_at, valid = _window_slots(first, start, base, ring, rate, SLOTS, DIM, WIDTH, OVERLAP, CHUNK)
             acc_even += _weighted(raw_kv, raw_gate, bias, at, bias_at, even, valid, peak_even, total_even)
             acc_odd += _weighted(raw_kv, raw_gate, bias, at, bias_at, odd, valid, peak_odd, total_odd)
-        # the norm: the pooled sum rounds to the model dtype first, as the torch path's does
-        x_even = acc_even.to(raw_kv.dtype.element_ty).to(tl.float32)
-        x_odd = acc_odd.to(raw_kv.dtype.element_ty).to(tl.float32)
-        scale = tl.rsqrt((tl.sum(x_even * x_even, axis=0) + tl.sum(x_odd * x_odd, axis=0)) / DIM + eps)
+        # the pooled sum rounds to the model dtype before the norm, as the torch path's does
+        x_even = acc_even.to(raw_kv.dtype.element_ty)
+        x_odd = acc_odd.to(raw_kv.dtype.element_ty)
+        tl.store(pooled + b * DIM + even, x_even)
+        tl.store(pooled + b * DIM + odd, x_odd)
+        e, o = x_even.to(tl.float32), x_odd.to(tl.float32)
+        tl.store(squares + b * tl.num_programs(1) + block, tl.sum(e * e, axis=0) + tl.sum(o * o, axis=0))
+
+    @triton.jit
+    def _pool_finish_kernel(
+        pooled, squares, norm_weight, cos, sin, out, store, tables, positions, position_stride, table_stride,
+        per_page, rate, eps, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, BLOCKS: tl.constexpr, WRITE: tl.constexpr,
+    ):
+        """One sequence: the RMS norm of its pooled entry (the blocks' sums of squares added in block
+        order), RoPE at the window's first position, the entry out, and to its page where the token
+        closes the window."""
+        eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
+        DIM: tl.constexpr = 2 * HALF
+        b = tl.program_id(0).to(tl.int64)
+        position = tl.load(positions + b * position_stride).to(tl.int64)
+        window = position // rate
+        pair = tl.arange(0, HALF)
+        even, odd = 2 * pair, 2 * pair + 1
+        total = tl.sum(tl.load(squares + b * BLOCKS + tl.arange(0, BLOCKS)), axis=0)
+        scale = tl.rsqrt(total / DIM + eps)
+        x_even = tl.load(pooled + b * DIM + even).to(tl.float32)
+        x_odd = tl.load(pooled + b * DIM + odd).to(tl.float32)
         w_even = tl.load(norm_weight + even).to(tl.float32)
         w_odd = tl.load(norm_weight + odd).to(tl.float32)
-        y_even = (w_even * (x_even * scale)).to(raw_kv.dtype.element_ty).to(tl.float32)
-        y_odd = (w_odd * (x_odd * scale)).to(raw_kv.dtype.element_ty).to(tl.float32)
+        y_even = (w_even * (x_even * scale)).to(out.dtype.element_ty).to(tl.float32)
+        y_odd = (w_odd * (x_odd * scale)).to(out.dtype.element_ty).to(tl.float32)
         # RoPE on the last 2 * ROPE_HALF channels: pair i turns by angle i - (HALF - ROPE_HALF)
         angle = pair - (HALF - ROPE_HALF)
         turned = angle >= 0
         c = tl.load(cos + b * ROPE_HALF + angle, mask=turned, other=1.0)
         s = tl.load(sin + b * ROPE_HALF + angle, mask=turned, other=0.0)
-        r_even = tl.where(turned, y_even * c - y_odd * s, y_even).to(raw_kv.dtype.element_ty)
-        r_odd = tl.where(turned, y_odd * c + y_even * s, y_odd).to(raw_kv.dtype.element_ty)
+        r_even = tl.where(turned, y_even * c - y_odd * s, y_even).to(out.dtype.element_ty)
+        r_odd = tl.where(turned, y_odd * c + y_even * s, y_odd).to(out.dtype.element_ty)
         tl.store(out + b * DIM + even, r_even)
         tl.store(out + b * DIM + odd, r_odd)
         if WRITE:

@@ -646,9 +646,12 @@ def check_pool_decode(batch: int, dim: int, rope_half: int, rate: int, overlap: 
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_pool_decode_kernel_equals_the_reference(overlap):
+@pytest.mark.parametrize("pairs_per_program", [32, 2])
+def test_pool_decode_kernel_equals_the_reference(overlap, pairs_per_program, monkeypatch):
     """A window of 4 (one chunk of slots) and of 24 (the 16-slot chunks, the last partial); rope on
-    part of the channels."""
+    part of the channels; the channels in one pooling program, or in blocks of 2 pairs (4 and 2 programs
+    a sequence, their sums of squares added by the finishing kernel)."""
+    monkeypatch.setattr("kernels.pooler.PAIRS_PER_PROGRAM", pairs_per_program)
     check_pool_decode(batch=5, dim=16, rope_half=4, rate=4, overlap=overlap, dtype=torch.float32, seed=0)
     check_pool_decode(batch=3, dim=8, rope_half=2, rate=24, overlap=overlap, dtype=torch.float32, seed=1)
 
