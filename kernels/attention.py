@@ -50,8 +50,9 @@ def decode_attention_reference(
 class DecodeKeys:
     """Where one decode query per sequence finds its keys (K = V), read in place.
 
-    The window: `ring` [slots, window, D], sequence b's at slot slots[b]; row r holds position
-    p - ((p - r) mod window) for the query at p = positions[b], a key when that is >= 0.
+    The window: `ring` [slots, rows, D], sequence b's at slot slots[b]; row r holds position
+    p - ((p - r) mod rows) for the query at p = positions[b], a key when that is >= 0 and among the
+    last `span` positions (None: all rows; a ring may have more rows than the window, for drafts).
     The compressed entries (optional): `entries` [pages, per_page, D] in the ring's dtype, entry e of sequence b at
     (tables[b, e // per_page], e % per_page). Key j after the window is entry ids[b, j] (the picked
     ids [B, n]; -1: none) or, without ids, entry j of every one the table can hold; it is a key when
@@ -64,6 +65,12 @@ class DecodeKeys:
     tables: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     rate: int = 0
+    span: int | None = None
+
+    @property
+    def window(self) -> int:
+        """The positions a query sees in its ring."""
+        return self.ring.shape[1] if self.span is None else self.span
 
     @property
     def entry_keys(self) -> int:
@@ -79,7 +86,8 @@ def gathered_keys_reference(source: DecodeKeys) -> tuple[torch.Tensor, torch.Ten
     width = source.ring.shape[1]
     positions = source.positions[:, None]
     rows = torch.arange(width, device=positions.device)[None, :]
-    keys, valid = [source.ring[source.slots]], [positions - (positions - rows) % width >= 0]
+    held = positions - (positions - rows) % width
+    keys, valid = [source.ring[source.slots]], [(held >= 0) & (held > positions - source.window)]
     if source.entries is not None:
         per_page = source.entries.shape[1]
         if source.ids is not None:
@@ -161,7 +169,7 @@ def decode_attention_in_place_triton(q: torch.Tensor, source: DecodeKeys, sinks:
     _in_place_split_kernel[(batch, triton.cdiv(heads, BLOCK_HEADS), splits)](
         q, ring, source.slots, source.slots.stride(0), source.positions, source.positions.stride(0), entries, tables,
         tables.stride(0), ids, ids.stride(0), part_max, part_sum, part_acc, scale,
-        heads, window, entry_keys, entries.shape[1] if has_entries else 1, source.rate, splits,
+        heads, window, source.window, entry_keys, entries.shape[1] if has_entries else 1, source.rate, splits,
         HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=BLOCK_HEADS,
         BLOCK_K=BLOCK_KEYS, KEYS_PER_SPLIT=KEYS_PER_SPLIT, num_warps=4,
     )
@@ -241,13 +249,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["entry_keys", "table_stride", "ids_stride", "rate", "splits"])
     def _in_place_split_kernel(
         q_ptr, ring_ptr, slots_ptr, slots_stride, positions_ptr, positions_stride, entries_ptr, tables_ptr,
-        table_stride, ids_ptr, ids_stride, max_ptr, sum_ptr, acc_ptr, scale, heads, window, entry_keys, per_page,
-        rate, splits,
+        table_stride, ids_ptr, ids_stride, max_ptr, sum_ptr, acc_ptr, scale, heads, window, span, entry_keys,
+        per_page, rate, splits,
         HAS_ENTRIES: tl.constexpr, HAS_IDS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr,
     ):
-        """Keys 0 .. window - 1 are the ring's rows, the rest entries (DecodeKeys, of the ring's dtype); a
-        tile's rows are addressed in whichever source holds each key and loaded at once."""
+        """Keys 0 .. window - 1 are the ring's rows (`window` of them, of which the last `span` positions
+        are seen), the rest entries (DecodeKeys, of the ring's dtype); a tile's rows are addressed in
+        whichever source holds each key and loaded at once."""
         scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
         sequence, head, split, in_heads, dim, q = _program_queries(q_ptr, heads, D, BLOCK_H)
         position = tl.load(positions_ptr + sequence * positions_stride).to(tl.int64)
@@ -261,7 +270,7 @@ if triton is not None:
             in_ring = key < window
             # row r holds position p - ((p - r) mod window); p - r + window > 0 keeps the remainder's sign
             held = position - (position - key + window) % window
-            usable = in_ring & (held >= 0)
+            usable = in_ring & (held >= 0) & (held > position - span)
             rows = ring_base + key * D
             if HAS_ENTRIES:
                 j = key - window

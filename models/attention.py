@@ -118,7 +118,7 @@ class Attention(nn.Module):
                 indexer = self.compressor.indexer
                 indexer.decode_update(x, batch, cache.indexer, self.rope)
                 ids = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
-        out = attend_decode(q, batch, cache.window, entries, ids, rate, self.sinks, self.head_dim**-0.5)
+        out = attend_decode(q, batch, cache.window, self.window, entries, ids, rate, self.sinks, self.head_dim**-0.5)
         return self._output(out, cos, sin)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -144,7 +144,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        keys, bias = window_keys(chunk, kv, cache.window)
+        keys, bias = window_keys(chunk, kv, cache.window, self.window)
         picked = None
         if self.kind == CSA:
             picked = self._picked_entries(chunk, x, q_residual, cache, cos, sin)
@@ -217,19 +217,21 @@ def attend_per_query(
     return torch.stack(out)
 
 
-def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of positions [p0 - window + 1, p1) and the additive mask keeping (t - window, t] per query;
-    then stores the chunk's last `window` entries in the slot's ring (row = position % window)."""
-    p0, p1, w = chunk.position, chunk.end_position, ring.shape[1]
+def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of positions [p0 - span + 1, p1) and the additive mask keeping (t - span, t] per query
+    (`span`: the sliding window); then stores the chunk's last ring-rows entries in the slot's ring
+    (row = position % rows; rows >= span, more with draft tokens: ModelCache.allocate)."""
+    p0, p1, w, rows = chunk.position, chunk.end_position, span, ring.shape[1]
     device = kv.device
     past = torch.arange(max(0, p0 - w + 1), p0, device=device)
-    keys = torch.cat([ring[chunk.slot, past % w], kv])
+    keys = torch.cat([ring[chunk.slot, past % rows], kv])
     key_positions = torch.cat([past, torch.arange(p0, p1, device=device)])
     query_positions = torch.arange(p0, p1, device=device)[:, None]
     allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
     bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=device).masked_fill(~allowed, float("-inf"))
-    stored = torch.arange(max(p0, p1 - w), p1, device=device)
-    ring[chunk.slot, stored % w] = kv[stored - p0]
+    stored = torch.arange(max(p0, p1 - rows), p1, device=device)
+    ring[chunk.slot, stored % rows] = kv[stored - p0]
     return keys, bias
 
 
@@ -239,19 +241,20 @@ def window_append(batch: DecodeBatch, kv: torch.Tensor, ring: torch.Tensor) -> N
 
 
 def attend_decode(
-    q: torch.Tensor, batch: DecodeBatch, ring: torch.Tensor, entries: PagedStore | None, ids: torch.Tensor | None,
-    rate: int, sinks: torch.Tensor, scale: float,
+    q: torch.Tensor, batch: DecodeBatch, ring: torch.Tensor, span: int, entries: PagedStore | None,
+    ids: torch.Tensor | None, rate: int, sinks: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over its window ring (the new entry appended) and,
+    """Decode attention of one query per sequence over the last `span` positions of its window ring (the
+    new entry appended) and,
     with `entries`, the compressed entries: those at the picked `ids` [B, n] (-1: none), or every one
     the block table can hold; an entry is visible below (position + 1) // rate (rate 0: every picked
     one is). A plain tensor store of the ring's dtype is read in place by the kernel
     (kernels/attention.py, DecodeKeys); a packed one is unpacked by a gather first."""
     if entries is None or (isinstance(entries, torch.Tensor) and entries.dtype == ring.dtype):
         source = DecodeKeys(ring, batch.slots, batch.positions, entries, batch.block_tables if entries is not None else None,
-                            ids, rate)
+                            ids, rate, span)
         return decode_attention_in_place(q, source, sinks, scale)
-    keys, valid = gathered_window(batch, ring)
+    keys, valid = gathered_window(batch, ring, span)
     if ids is None:
         compressed = paged_pages(entries, batch.block_tables).flatten(1, 2)
         ids = torch.arange(compressed.shape[1], device=q.device).expand(len(batch.positions), -1)
@@ -262,11 +265,12 @@ def attend_decode(
     return decode_attention(q, keys, valid, sinks, scale)
 
 
-def gathered_window(batch: DecodeBatch, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's whole ring [B, window, dim] and which rows hold a position of the query's window:
-    row r holds p - ((p - r) mod window), which lies in (p - window, p] and is valid when it is >= 0."""
+def gathered_window(batch: DecodeBatch, ring: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's whole ring [B, rows, dim] and which rows hold a position of the query's window:
+    row r holds p - ((p - r) mod rows), which lies in (p - rows, p] and is valid when it is >= 0 and
+    within the last `span` positions."""
     width = ring.shape[1]
     rows = torch.arange(width, device=ring.device)[None, :]
     positions = batch.positions[:, None]
     held = positions - (positions - rows) % width
-    return ring[batch.slots], held >= 0
+    return ring[batch.slots], (held >= 0) & (held > positions - span)

@@ -48,7 +48,7 @@ class SharedCompressedAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c, shared = config, config.shared_compression
-        self.layer, self.head_dim, self.tp = layer, c.head_dim, tp
+        self.layer, self.head_dim, self.tp, self.window = layer, c.head_dim, tp, c.sliding_window
         self.num_heads = add_attention_projections(self, c, tp)
         self.quantize_kv = fake_quant_fp8_ue8m0 if c.simulate_quantization else (lambda x: x)
         compressed = c.compress_rates[layer] > 0
@@ -98,7 +98,7 @@ class SharedCompressedAttention(nn.Module):
                 self.compressor.update(chunk, x[rows], cache.layers[self.layer].shared, self.rope, self.key_maker)
             if self.indexer is not None:
                 self._select(chunk, x[rows], q_residual[rows], cache, selections[index], cos[rows], sin[rows], trace)
-            keys, bias = window_keys(chunk, kv[rows], cache.layers[self.layer].window)
+            keys, bias = window_keys(chunk, kv[rows], cache.layers[self.layer].window, self.window)
             picked = self._picked_entries(chunk, cache, selections[index])
             out[rows] = self._attend(q[rows], keys, bias, picked)
         return attention_output(self, out, cos, sin)
@@ -119,7 +119,7 @@ class SharedCompressedAttention(nn.Module):
         entries, ids = None, None
         if self.kv_source is not None and selection.topk is not None:
             entries, ids = cache.layers[self.kv_source].shared.entries, selection.topk
-        out = attend_decode(q, batch, layer.window, entries, ids, 0, self.sinks, self.head_dim**-0.5)
+        out = attend_decode(q, batch, layer.window, self.window, entries, ids, 0, self.sinks, self.head_dim**-0.5)
         return attention_output(self, out, cos, sin)
 
     def _decode_select(

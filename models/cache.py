@@ -55,7 +55,7 @@ class SharedStore:
 
 @dataclass
 class LayerCache:
-    window: torch.Tensor  # [slots, sliding_window, head_dim], position p at row p % sliding_window
+    window: torch.Tensor  # [slots, rows, head_dim], position p at row p % rows (rows: sliding_window + drafts)
     compressor: PoolerCache | None
     indexer: PoolerCache | None
     shared: SharedStore | None = None  # V4.1 kv sources only
@@ -185,6 +185,7 @@ class ModelCache:
         block_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
         host_tier: HostTierSpec | None = None,
+        draft_tokens: int = 0,
     ) -> "ModelCache":
         """Without `num_pages`, every slot gets its own pages for `max_len` tokens (tests, tools);
         the engine passes the page count its memory plan affords and block tables per chunk.
@@ -195,7 +196,19 @@ class ModelCache:
         tests/test_packed_kv.py for the measured error). "fp8": e4m3 with a float32 scale per 64
         channels, an entry's RoPE channels in bf16 (V4; lossy, as vLLM's fp8); on V4.1 the fp4 packing
         (`stored_kv_cache_dtype`). `host_tier`: V4.1's packed compressed entries live in host memory
-        with a GPU ring of each sequence's recent pages (models/host_tier.py)."""
+        with a GPU ring of each sequence's recent pages (models/host_tier.py).
+
+        `draft_tokens`: the most draft tokens a step verifies (speculative decoding). The per-slot rings
+        (the window, the poolers' open groups) get that many rows more than they need, so that the
+        rows a rejected draft wrote are never rows a position before it still needs: rolling a slot
+        back is only resuming it at the accepted position, with nothing to restore (a rejected draft's
+        paged entry is rewritten when the real token closes its window, before any query can see
+        it). V4 only for now: V4.1's shared-store groups and Engram look-back are not draft-safe yet."""
+        if draft_tokens < 0:
+            raise ValueError(f"draft_tokens {draft_tokens}: a count of tokens, >= 0")
+        if draft_tokens and config.is_v41:
+            raise ValueError("draft tokens need V4's draft-safe rings: V4.1's shared-store groups and Engram "
+                             "look-back cannot roll back yet")
         kv_cache_dtype = stored_kv_cache_dtype(config, kv_cache_dtype)
         if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
             raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
@@ -218,7 +231,7 @@ class ModelCache:
         if config.is_v41:
             layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, hot)
         else:
-            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs)
+            layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, draft_tokens)
         context = None
         if config.engram is not None:
             context = torch.full((num_slots, config.engram.context_len), -1, dtype=torch.long, device=device)
@@ -226,12 +239,12 @@ class ModelCache:
 
     @staticmethod
     def _v4_layers(config, num_slots, num_pages, block_tokens, dtype, device,
-                   codecs: tuple[Codec, Codec] | None) -> list[LayerCache]:
+                   codecs: tuple[Codec, Codec] | None, draft_tokens: int = 0) -> list[LayerCache]:
         entry_codec, key_codec = codecs or (None, None)
 
         def pooler(rate: int, overlap: bool, head_dim: int, codec: Codec | None) -> PoolerCache:
             width = (2 if overlap else 1) * head_dim
-            ring = (2 if overlap else 1) * rate
+            ring = (2 if overlap else 1) * rate + draft_tokens
             per_page = block_tokens // rate
             if codec is not None:
                 entries = PackedPages.allocate(num_pages, per_page, head_dim, codec, dtype, device)
@@ -246,7 +259,8 @@ class ModelCache:
         layers = []
         for layer, kind in enumerate(config.layer_types):
             rate = config.compress_rates[layer]
-            window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
+            window = torch.zeros(num_slots, config.sliding_window + draft_tokens, config.head_dim, dtype=dtype,
+                                 device=device)
             compressor = pooler(rate, kind == CSA, config.head_dim, entry_codec) if rate else None
             indexer = pooler(rate, True, config.index_head_dim, key_codec) if kind == CSA else None
             layers.append(LayerCache(window=window, compressor=compressor, indexer=indexer))

@@ -204,6 +204,7 @@ def check_decode_attention_in_place(batch: int, heads: int, window: int, dim: in
         DecodeKeys(ring, slot_of, positions, entries, tables, None, rate),  # HCA: every entry
         DecodeKeys(ring, slot_of, positions, entries, tables, ids, rate),  # CSA: picked ids
         DecodeKeys(ring, slot_of, positions, entries, tables, ids, 0),  # V4.1: no limit by position
+        DecodeKeys(ring, slot_of, positions, entries, tables, ids, rate, window - 3),  # 3 ring rows for drafts
     ):
         keys, valid = gathered_keys_reference(source)
         got = decode_attention_in_place_triton(q, source, sinks, dim**-0.5)
@@ -236,10 +237,10 @@ def test_gathered_keys_reference_is_the_models_gather():
     batch = DecodeBatch.build([(2, 0, 5, [3, 1, 7]), (0, 0, 30, [9, 2, 4])])
     kv = torch.randn(2, 4, generator=generator)
     window_append(batch, kv, ring)
-    keys, valid = gathered_window(batch, ring)
+    keys, valid = gathered_window(batch, ring, 6)  # a ring of 8 rows (6 + 2 for drafts)
     ids = torch.tensor([[0, 5, 1], [2, -1, 4]])
     got_keys, got_valid = gathered_keys_reference(DecodeKeys(ring, batch.slots, batch.positions, entries,
-                                                              batch.block_tables, ids, 4))
+                                                              batch.block_tables, ids, 4, 6))
     picked = paged_gather_rows(entries, batch.block_tables, ids.clamp(min=0))
     assert torch.equal(got_keys, torch.cat([keys, picked], dim=1))
     limit = (batch.positions[:, None] + 1) // 4

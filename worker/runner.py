@@ -25,15 +25,14 @@ the memory plan) and the logits output, so serving steps after warm-up allocate 
 
 Multi-token steps (the seam; speculative decoding is a later issue): a chunk may carry
 `draft_token_ids` and its result `accepted` drafts (contract/step.py). This runner refuses a plan
-with drafts (NotImplementedError) rather than verify them, because it cannot undo a rejected draft:
-a forward moves each slot's fixed state (window rings, compressor groups, Engram look-back) past
-every token it computes. The rollback will be the prefix cache's state copies: the scheduler saves a
-drafting request's slot into a snapshot slot in the verifying step's plan (`saves` run before the
-forward); after a rejection the next plan restores that snapshot into the slot and recomputes the
-accepted tokens from there, as a prefix-cache hit resumes today (their pages are rewritten with the
-same entries). Verifying is then: forward token_ids + drafts with a logit row at each draft, draw
-those rows together at draw indices num_generated + j (`sample_rows` takes several rows of one
-request), and accept drafts while each equals the token drawn before it.
+with drafts (NotImplementedError) rather than verify them: the verify step is not built yet. The
+rollback it will need is built: a forward moves each slot's fixed state (window rings, compressor
+groups) past every token it computes, so a cache allocated with `draft_tokens` (ModelCache.allocate)
+gives those rings that many spare rows, and rolling back a rejected draft is resuming the slot at the
+accepted position, with nothing to restore or recompute (tests/test_draft_rollback.py; V4 only: V4.1's
+shared-store groups and Engram look-back are next). Verifying is then: forward token_ids + drafts with
+a logit row at each draft, and accept drafts by worker/spec_verify.py (greedy, rejection sampling or
+block verification) on the distributions the draw rows' sampling parameters make.
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""Rolling back rejected drafts (issue 27 item 3) is resuming at the accepted position: a cache with
+`draft_tokens` rows to spare in its rings (ModelCache.allocate) that computed drafts a verify step then
+rejected gives, from there on, the logits of a cache that never saw them, bit for bit in deterministic
+mode (on CPU, V4's tiny model: window 16, CSA rate 4 with its indexer, HCA rate 16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.batch_invariant import BatchInvariantMode
+from models import DecodeBatch, ForwardBatch, ModelCache, ModelConfig
+from models.random_model import build_random_model
+from models.tiny import tiny_config_dict
+from tests.conftest import random_tokens
+
+DRAFTS = 3
+
+
+def test_rejected_drafts_leave_no_trace():
+    """Rounds of a verify chunk (the last token and 3 drafts) on one cache, then the accepted part alone
+    on another: the accepted rows' logits agree bitwise, and so does every later chunk's, across ring
+    wraps of the window and closes of CSA and HCA windows (some by drafts that were then rejected)."""
+    model = build_random_model(ModelConfig.from_dict(tiny_config_dict()), torch.float32, "cpu", seed=0)
+    drafting = ModelCache.allocate(model.config, 1, 160, draft_tokens=DRAFTS)
+    plain = ModelCache.allocate(model.config, 1, 160)
+    generator = torch.Generator().manual_seed(1)
+    prompt = random_tokens(37, seed=2)
+    with BatchInvariantMode():
+        for cache in (drafting, plain):
+            model(ForwardBatch.build([(0, prompt, 0)]), cache)
+        position, last = len(prompt), 7
+        for round_ in range(24):
+            drafts = random_tokens(DRAFTS, seed=100 + round_)
+            accepted = int(torch.randint(0, DRAFTS + 1, (), generator=generator))
+            verified = model(ForwardBatch.build([(0, [last, *drafts], position)], logits="all"), drafting)
+            kept = model(ForwardBatch.build([(0, [last, *drafts[:accepted]], position)], logits="all"), plain)
+            assert torch.equal(verified[: accepted + 1], kept), f"round {round_}"
+            position += accepted + 1
+            last = int(random_tokens(1, seed=500 + round_)[0])
+    assert position > len(prompt) + 2 * 16  # the rounds went past two HCA windows
+    # the decode path (what the graphs run) reads the larger ring by its window too: its keys come in
+    # ring-row order, so the two caches agree to float-sum order
+    for step in range(20):
+        batch = DecodeBatch.build([(0, last, position, drafting.default_pages(0).tolist())], width=10)
+        torch.testing.assert_close(model.decode(batch, drafting), model.decode(batch, plain), rtol=1e-4, atol=1e-4,
+                                   msg=f"decode step {step}")
+        position, last = position + 1, int(random_tokens(1, seed=900 + step)[0])
+
+
+def test_a_v41_cache_refuses_draft_rows():
+    """V4.1's shared-store groups and Engram look-back are not draft-safe yet: asking for draft rows is
+    an error naming why, not a cache that would roll back wrongly."""
+    from models.tiny import tiny_v41_config_dict
+
+    with pytest.raises(ValueError, match="V4.1"):
+        ModelCache.allocate(ModelConfig.from_dict(tiny_v41_config_dict()), 1, 64, draft_tokens=2)
