@@ -1,12 +1,14 @@
 """The runner's step pipeline (prepare -> forward -> sample -> report) and the multi-token seam: draft
-tokens in a plan cross the tensor-parallel codec, a runner refuses them, and a result carrying several
-tokens is applied by the scheduler one token at a time."""
+tokens in a plan cross the tensor-parallel codec, a runner without draft rows refuses them (one with
+them verifies them: tests/test_runner_drafts.py), and a result carrying several tokens is applied by the
+scheduler one token at a time."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+import torch
 
 from contract import (
     ChunkResult,
@@ -122,12 +124,14 @@ def runner(model) -> ModelRunner:
     return ModelRunner(model, num_slots=4, max_model_len=64, deterministic=True)
 
 
-def test_the_runner_refuses_drafts_before_touching_the_cache(model):
+def test_a_runner_without_draft_rows_refuses_drafts_before_touching_the_cache(model):
     refusing = runner(model)
+    before = [t.clone() for t in refusing.cache.tensors()]
     plan = StepPlan(chunks=(chunk("r", 0, SamplingParams(temperature=0.0), slot_pages(refusing, 0), draft_token_ids=(3,)),),
                     restores=(StateCopy(0, 1),))
-    with pytest.raises(NotImplementedError, match="speculative decoding"):
+    with pytest.raises(ValueError, match=r"at most 0 \(draft_tokens\)"):
         refusing.execute(plan)
+    assert all(torch.equal(a, b) for a, b in zip(before, refusing.cache.tensors(), strict=True))
 
 
 MIXED = {

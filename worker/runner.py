@@ -37,6 +37,7 @@ block verification) on the distributions the draw rows' sampling parameters make
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -94,6 +95,7 @@ class StepContext:
     drawing: list[ScheduledChunk] = field(default_factory=list)  # the chunks drawn, in the rows of `draws`
     draws: Draws | None = None
     sampled: dict[str, TokenLogprob] = field(default_factory=dict)
+    accepted: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # a drafting chunk's passed drafts
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
@@ -137,6 +139,7 @@ class ModelRunner:
         prefix_tiers: PrefixTierLimits = NO_PREFIX_TIERS,
         prefix_dir: Path | None = None,
         rank: int | None = None,
+        draft_tokens: int = 0,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
@@ -151,10 +154,13 @@ class ModelRunner:
         (models/packed_pages.py). `kv_hot_tokens`: those entries live in a host tier, with each running
         sequence's last `kv_hot_tokens` tokens' pages in a GPU ring (models/host_tier.py).
         `prefix_tiers`: the prefix cache's host tier (and disk tier, in `prefix_dir`/rank<`rank`>, `rank`
-        defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py)."""
+        defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py). `draft_tokens`: the
+        most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
+        the module docstring)."""
         self.model = model
         self.tp = tp
         self.deterministic = deterministic
+        self.draft_tokens = draft_tokens
         self.pending_inputs = model.config.engram is None  # Engram rows are hashed from host tokens
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
@@ -166,6 +172,7 @@ class ModelRunner:
             num_pages=None if num_pages is None else num_pages + scratch, block_tokens=block_tokens,
             kv_cache_dtype=kv_cache_dtype,
             host_tier=None if kv_hot_tokens is None else HostTierSpec(kv_hot_tokens, num_slots),
+            draft_tokens=draft_tokens,
         )
         self.device = device
         self.graphs: DecodeGraphs | None = None
@@ -208,12 +215,12 @@ class ModelRunner:
     # -- prepare ----------------------------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> StepContext:
         """Makes the prefix cache's copies and lays the step out for the forward."""
-        _refuse_drafts(plan)
+        self._check_drafts(plan)
         self._copy_prefix_state(plan)
         computed = [chunk for chunk in plan.chunks if chunk.token_ids]
         step = StepContext(plan, computed, [self._rows_wanted(chunk) for chunk in computed])
         if computed:
-            self.cache.hold_hot([(c.pages, c.position + len(c.token_ids)) for c in computed])
+            self.cache.hold_hot([(c.pages, c.position + len(_forwarded(c))) for c in computed])
             self._lay_out(step)
         return step
 
@@ -229,7 +236,7 @@ class ModelRunner:
         if step.eager_chunks:
             eager = [step.computed[i] for i in step.eager_chunks]
             step.batch = self._pending_resolved(ForwardBatch.build(
-                [(c.slot, [max(t, 0) for t in c.token_ids], c.position, list(c.pages)) for c in eager],
+                [(c.slot, [max(t, 0) for t in _forwarded(c)], c.position, list(c.pages)) for c in eager],
                 logits=[step.logit_rows[i] for i in step.eager_chunks],
             ), eager)
 
@@ -304,11 +311,29 @@ class ModelRunner:
 
     @staticmethod
     def _rows_wanted(chunk: ScheduledChunk) -> list[int]:
-        """The chunk's rows whose logits are kept: one per echo target, and the last if it samples."""
+        """The chunk's rows whose logits are kept: one per echo target, and the last if it samples (with
+        drafts: the last token's and every draft's, the rows verification draws)."""
         rows = list(range(len(chunk.logprob_targets)))
-        if chunk.sample and (not rows or rows[-1] != len(chunk.token_ids) - 1):
-            rows.append(len(chunk.token_ids) - 1)
+        last = len(chunk.token_ids) - 1
+        if chunk.sample and (not rows or rows[-1] != last):
+            rows.append(last)
+        rows.extend(range(last + 1, last + 1 + len(chunk.draft_token_ids)))
         return rows
+
+    def _check_drafts(self, plan: StepPlan) -> None:
+        """Drafts are verified only where the cache can roll them back (`draft_tokens` spare rows), on a
+        sampling chunk whose inputs are known (a pending input's drafts could not have been proposed)
+        and without a grammar (its bitmask after each draft is not known here yet)."""
+        for chunk in plan.chunks:
+            drafts = chunk.draft_token_ids
+            if not drafts:
+                continue
+            if len(drafts) > self.draft_tokens:
+                raise ValueError(f"chunk of {chunk.request_id}: {len(drafts)} draft tokens, this runner verifies at "
+                                 f"most {self.draft_tokens} (draft_tokens)")
+            if not chunk.sample or not chunk.token_ids or PENDING_TOKEN in chunk.token_ids or chunk.token_bitmask:
+                raise ValueError(f"chunk of {chunk.request_id}: drafts are verified on a sampling chunk with known "
+                                 "inputs and no grammar")
 
     # -- forward ----------------------------------------------------------------------------------
     def _forward(self, step: StepContext) -> None:
@@ -356,7 +381,7 @@ class ModelRunner:
         """With a prefix cache, each sampling slot's last logits are part of its state (see __init__)."""
         if self.last_logits is None:
             return
-        sampling = [c for c in step.computed if c.sample]
+        sampling = [c for c in step.computed if c.sample and not c.draft_token_ids]  # drafts: in _report
         if sampling:
             slots = on_device([c.slot for c in sampling], torch.long, self.last_logits.device)
             self.last_logits[slots] = torch.stack([step.logits[c.request_id][-1] for c in sampling])
@@ -368,12 +393,16 @@ class ModelRunner:
         drawing = [c for c in step.plan.chunks if c.sample and c.request_id not in step.errors]
         self._last_draws = None
         if drawing:
-            logits = torch.stack([self._sampling_logits(step, chunk) for chunk in drawing])
-            rows = [DrawRow(c.params, c.num_generated, c.prompt_token_ids, c.output_token_ids, c.token_bitmask)
-                    for c in drawing]
+            logits = torch.cat([self._sampling_logits(step, chunk) for chunk in drawing])
+            rows = [DrawRow(c.params, c.num_generated + j, c.prompt_token_ids,
+                            (*c.output_token_ids, *c.draft_token_ids[:j]) if j else c.output_token_ids, c.token_bitmask)
+                    for c in drawing for j in range(len(c.draft_token_ids) + 1)]
             step.drawing, step.draws = drawing, draw_rows(logits, rows, step.plan.draw_seed)
             step.draws.copy_out()
-            self._last_draws = LastDraws({c.request_id: i for i, c in enumerate(drawing)}, step.draws.tokens)
+            # a drafting request's next input depends on how many drafts pass: no pending input follows it
+            first_rows = itertools.accumulate((len(c.draft_token_ids) + 1 for c in drawing), initial=0)
+            self._last_draws = LastDraws({c.request_id: row for c, row in zip(drawing, first_rows)
+                                          if not c.draft_token_ids}, step.draws.tokens)
         for chunk in step.computed:
             if chunk.logprob_targets and chunk.request_id not in step.errors:
                 step.prompt_logprobs[chunk.request_id] = prompt_logprobs(
@@ -381,20 +410,41 @@ class ModelRunner:
                 )
 
     def _sampling_logits(self, step: StepContext, chunk: ScheduledChunk) -> torch.Tensor:
-        """The row a chunk draws from: its last computed row, or (whole prompt cached) its slot's kept one."""
-        return step.logits[chunk.request_id][-1] if chunk.token_ids else self.last_logits[chunk.slot]
+        """The rows a chunk draws from [1 + drafts, vocab]: its last token's row and each draft's, or
+        (whole prompt cached) its slot's kept one."""
+        if not chunk.token_ids:
+            return self.last_logits[chunk.slot][None]
+        return step.logits[chunk.request_id][-1 - len(chunk.draft_token_ids):]
 
     # -- report -----------------------------------------------------------------------------------
     def _report(self, step: StepContext) -> StepResult:
         if step.draws is not None:
-            for chunk, token in zip(step.drawing, step.draws.read()):
-                if token is None:
-                    step.errors[chunk.request_id] = NOT_DRAWABLE
-                else:
-                    step.sampled[chunk.request_id] = token
+            tokens = iter(step.draws.read())
+            for chunk in step.drawing:
+                drawn = [next(tokens) for _ in range(len(chunk.draft_token_ids) + 1)]
+                self._verify(step, chunk, drawn)
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
         return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))
+
+    def _verify(self, step: StepContext, chunk: ScheduledChunk, drawn: list[TokenLogprob | None]) -> None:
+        """A chunk's draws at its last token and at each draft: drafts are accepted while each is the token
+        drawn at its position; the draw at the first that is not (or after the last) is the new token.
+        Drawing at a draft's position and comparing is rejection sampling against a one-hot draft
+        distribution (worker/spec_verify.py): a draft x passes with probability p(x), and a token drawn
+        given it did not is drawn from p without x, the recovered distribution. Greedy rows: the argmax."""
+        drafts = chunk.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and drawn[accepted] is not None and drawn[accepted].token_id == drafts[accepted]:
+            accepted += 1
+        if any(token is None for token in drawn[: accepted + 1]):
+            step.errors[chunk.request_id] = NOT_DRAWABLE
+            return
+        step.sampled[chunk.request_id] = drawn[accepted]
+        if drafts:
+            step.accepted[chunk.request_id] = tuple(drawn[:accepted])
+            if self.last_logits is not None:  # the slot's state ends at the accepted position
+                self.last_logits[chunk.slot] = step.logits[chunk.request_id][-1 - len(drafts) + accepted]
 
     def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:
         """The disk tier's moves finished since the last step (on every rank); a plan with nothing else
@@ -410,7 +460,8 @@ class ModelRunner:
         if request_id in step.errors:
             return ChunkResult(request_id=request_id, sampled=None, error=step.errors[request_id])
         return ChunkResult(request_id=request_id, sampled=step.sampled.get(request_id),
-                           prompt_logprobs=step.prompt_logprobs.get(request_id, ()))
+                           prompt_logprobs=step.prompt_logprobs.get(request_id, ()),
+                           accepted=step.accepted.get(request_id, ()))
 
     # -- Engram -------------------------------------------------------------------------------------
     def _engram_failures(self, num_tokens: int) -> dict[int, str]:
@@ -477,16 +528,12 @@ def graph_partition(computed: Sequence[ScheduledChunk], logit_rows: Sequence[Seq
     if fits is None:
         return ()
     decodes = [i for i, (chunk, rows) in enumerate(zip(computed, logit_rows))
-               if len(chunk.token_ids) == 1 and len(rows) <= 1]
+               if len(_forwarded(chunk)) == 1 and len(rows) <= 1]
     if not decodes or not fits([computed[i] for i in decodes]):
         return ()
     return tuple(decodes)
 
 
-def _refuse_drafts(plan: StepPlan) -> None:
-    """A plan with draft tokens needs the rollback described in the module docstring, not built yet."""
-    drafting = [chunk.request_id for chunk in plan.chunks if chunk.draft_token_ids]
-    if drafting:
-        raise NotImplementedError(
-            f"speculative decoding is not implemented: the chunks of {drafting} carry draft tokens to verify"
-        )
+def _forwarded(chunk: ScheduledChunk) -> tuple[int, ...]:
+    """The tokens a chunk computes: its own, then the drafts to verify."""
+    return chunk.token_ids + chunk.draft_token_ids
