@@ -7,6 +7,7 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
     python -m bench.slice transformers [--concurrency 1 8 32] [--prompt-len 512] [--steps 32]
     python -m bench.slice profile [--concurrency 1 32] [--steps 8] [--top 40] [--enforce-eager]
     python -m bench.slice families [--concurrency 1 8 32] [--steps 32] [--repeats 20]
+    python -m bench.slice verify [--concurrency 1 8 32] [--draft-tokens 1 2 3 4 5 6 7] [--steps 32]
     common: [--config configs/models/DeepSeek-V4-Flash/config.json] [--layers 4] [--device cuda|cpu]
             [--dtype bfloat16] [--weights bf16|released] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
 
@@ -32,6 +33,11 @@ device copy bandwidth, read + written) and `slice.matmul` (bf16 GEMM ceiling), m
   shared expert, routed experts, head: bench/slice_families.py), its device time alone in a CUDA
   graph, the weight bytes it reads, bytes/s and the ratio to the copy bandwidth of this run, beside the
   measured step (CUDA graphs, as decode's default mode) and what the families leave of it (`rest`).
+- verify: the cost of a speculative decoding verify step (issue 27): per concurrency, the plain decode
+  step (CUDA graphs, as decode's default mode), then for each K of --draft-tokens a step whose
+  sequences each forward their last token and K drafts and draw at every position (the runner's
+  verification, eager), from context 0; the random model's drafts would be rejected, so acceptance is
+  forced: positions advance by K + 1. Step p50 / p90 and `cost_ratio`, verify step over plain step.
 - transformers: HF `DeepseekV4ForCausalLM.generate` over the SAME tensors (bench/slice_hf.py), and our
   runner on the same prompts, per batch size; HF's decode tokens/s = (B x (steps - 1)) / (t(steps) -
   t(1 token)). Needs transformers >= 5.24 (the GPU image has 5.17: carry the wheel in .whl/).
@@ -78,7 +84,7 @@ from typing import Any
 
 import torch
 
-from bench.decode import chunk
+from bench.decode import chunk, pages_holding
 from bench.slice_families import capture_families, family_rows
 from bench.slice_roofline import (
     active_params_per_token,
@@ -214,20 +220,30 @@ def decode_steps(
         step()
     runner.graphs = graphs
     first = positions[:concurrency]
-    durations: list[float] = []
-    began = time.perf_counter()
-    while len(durations) < steps and (len(durations) < 3 or time.perf_counter() - began < budget_s):
-        synchronize(runner.device)
-        start = time.perf_counter()
-        step()
-        synchronize(runner.device)
-        durations.append(time.perf_counter() - start)
-    p90 = statistics.quantiles(durations, n=10)[-1] if len(durations) > 1 else durations[0]
+    durations = timed_steps(step, steps, budget_s, runner.device)
     return {
-        "steps": len(durations), "step_ms_p50": 1000 * statistics.median(durations), "step_ms_p90": 1000 * p90,
+        "steps": len(durations), "step_ms_p50": 1000 * statistics.median(durations),
+        "step_ms_p90": 1000 * _p90(durations),
         "tokens_per_s": concurrency * len(durations) / sum(durations), "experts_touched": touched,
         "contexts": [p + len(durations) // 2 for p in first],
     }
+
+
+def timed_steps(step: Callable[[], None], steps: int, budget_s: float, device: str) -> list[float]:
+    """Seconds of each `step()` (synchronized), until `steps` of them or `budget_s` (at least 3)."""
+    durations: list[float] = []
+    began = time.perf_counter()
+    while len(durations) < steps and (len(durations) < 3 or time.perf_counter() - began < budget_s):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        durations.append(time.perf_counter() - start)
+    return durations
+
+
+def _p90(durations: list[float]) -> float:
+    return statistics.quantiles(durations, n=10)[-1] if len(durations) > 1 else durations[0]
 
 
 def roofline(runner: ModelRunner, measured: dict[str, Any], concurrency: int, copy_bps: float) -> dict[str, Any]:
@@ -309,6 +325,45 @@ def cmd_families(args: argparse.Namespace, model: torch.nn.Module, fields: dict[
         del families
 
 
+def cmd_verify(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
+    """Per concurrency: the plain decode step, then a verify step of each K (see the module docstring)."""
+    ceilings(args, model, fields)
+    most, widest = max(args.concurrency), max(args.draft_tokens)
+    runner = ModelRunner(model, most, 4096, device=args.device, cuda_graphs=args.device == "cuda", draft_tokens=widest)
+    generator = torch.Generator().manual_seed(args.seed)
+    for concurrency in args.concurrency:
+        plain = decode_steps(runner, [0] * most, concurrency, args.steps, args.row_budget_s, generator)
+        for drafts in args.draft_tokens:
+            measured = verify_steps(runner, concurrency, drafts, args.steps, args.row_budget_s, generator)
+            emit({"bench": "slice.verify", "concurrency": concurrency, "draft_tokens": drafts, **measured,
+                  "plain_step_ms_p50": plain["step_ms_p50"],
+                  "cost_ratio": measured["step_ms_p50"] / plain["step_ms_p50"]}, fields)
+
+
+def verify_steps(runner: ModelRunner, concurrency: int, drafts: int, steps: int, budget_s: float,
+                 generator: torch.Generator) -> dict[str, Any]:
+    """One untimed verify step, then timed ones of slots 0 .. concurrency - 1 from position 0, each the
+    last token and `drafts` random drafts, every draft taken as accepted (positions advance by drafts + 1)."""
+    vocab = runner.model.config.vocab_size
+    positions = [0] * concurrency
+
+    def step() -> None:
+        tokens = random_tokens(generator, vocab, concurrency * (drafts + 1))
+        plan = StepPlan(tuple(
+            replace(chunk(runner, s, tokens[s * (drafts + 1) : s * (drafts + 1) + 1], positions[s]),
+                    pages=pages_holding(runner, s, positions[s] + drafts + 1),
+                    draft_token_ids=tuple(tokens[s * (drafts + 1) + 1 : (s + 1) * (drafts + 1)]))
+            for s in range(concurrency)))
+        runner.execute(plan)
+        for s in range(concurrency):
+            positions[s] += drafts + 1
+
+    step()
+    durations = timed_steps(step, steps, budget_s, runner.device)
+    return {"steps": len(durations), "step_ms_p50": 1000 * statistics.median(durations),
+            "step_ms_p90": 1000 * _p90(durations)}
+
+
 def prefill_once(runner: ModelRunner, tokens: list[int], chunk_tokens: int) -> float:
     """Seconds from the first chunk's launch to the first sampled token, chunk by chunk from position 0."""
     synchronize(runner.device)
@@ -388,7 +443,7 @@ def cmd_transformers(args: argparse.Namespace, model: torch.nn.Module, raw: dict
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda = torch.cuda.is_available()
-    parser.add_argument("command", choices=["decode", "ttft", "transformers", "profile", "families"])
+    parser.add_argument("command", choices=["decode", "ttft", "transformers", "profile", "families", "verify"])
     parser.add_argument("--config", default=str(FLASH_CONFIG), help="a deepseek_v4 config.json")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
@@ -410,6 +465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunks", type=int, nargs="+",
                         help="ttft: a sweep of chunk sizes (e.g. 2048 4096 8192 16384), each with its peak workspace")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
+                        help="verify: draft tokens per sequence, one row each")
     parser.add_argument("--top", type=int, default=40, help="profile: kernels listed per concurrency")
     parser.add_argument("--enforce-eager", action="store_true", help="profile: eager steps, no CUDA graphs")
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers' experts implementation")
@@ -432,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd_profile(args, model, fields)
     elif args.command == "families":
         cmd_families(args, model, fields)
+    elif args.command == "verify":
+        cmd_verify(args, model, fields)
     else:
         cmd_transformers(args, model, raw, fields)
 
