@@ -25,6 +25,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from engram_store.slot_index import DeviceSlotIndex
 from kernels.host_memory import mapped_host_bytes
 
 MAX_CREDIT = 3
@@ -44,6 +45,7 @@ class RowCache:
             self.storage = torch.zeros(self.capacity, row_bytes, dtype=torch.uint8, device=device)
             self.view = self.storage
         self.index: dict[int, int] = {}
+        self.device_index = DeviceSlotIndex(self.capacity, self.view.device)  # the same map, for steps' lookups
         self.row_of_slot = np.full(self.capacity, FREE, dtype=np.int64)
         self.credit = np.zeros(self.capacity, dtype=np.uint8)
         self.hand = 0
@@ -55,6 +57,7 @@ class RowCache:
     def clear(self) -> None:
         """Forgets every row (the storage keeps its bytes, unreachable)."""
         self.index.clear()
+        self.device_index.clear()
         self.row_of_slot.fill(FREE)
         self.credit.fill(0)
         self.hand = 0
@@ -76,6 +79,12 @@ class RowCache:
         self.hits += len(set(slots.tolist()))
         self.credit[slots] = np.minimum(self.credit[slots] + 1, MAX_CREDIT)
 
+    def device_slots_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """`slots_of` for row ids on the device the steps read from (`view`'s): looked up there in the
+        device index, by torch ops whose count does not depend on how many rows (FREE where not cached).
+        No credit and no counting: a warm step's lookup stays off the host."""
+        return self.device_index.lookup(rows)
+
     def absent(self, rows: np.ndarray) -> np.ndarray:
         """Mask of the rows not cached; no credit and no hit counting (prefetch hints use it)."""
         return self.slots_of(rows) == FREE
@@ -94,6 +103,8 @@ class RowCache:
         evicted = self.row_of_slot[slots]
         deque(map(self.index.__delitem__, evicted[evicted != FREE].tolist()), maxlen=0)
         self.index.update(zip(rows.tolist(), slots.tolist()))
+        self.device_index.remove(evicted[evicted != FREE])
+        self.device_index.insert(rows, slots)
         self.row_of_slot[slots] = rows
         self.credit[slots] = 0
         target = torch.from_numpy(slots)
@@ -109,6 +120,7 @@ class RowCache:
         assert np.array_equal(self.row_of_slot[slots], rows), "an index entry points at a slot another row holds"
         assert (self.credit <= MAX_CREDIT).all(), "a slot holds more credit than MAX_CREDIT"
         assert self.capacity == 0 or 0 <= self.hand < self.capacity, "the clock hand is off the slots"
+        self.device_index.check_integrity(self.index)
 
     def _claim(self, n: int) -> np.ndarray:
         """n distinct slots: the hand's next slots without credit (free slots have none), taking one

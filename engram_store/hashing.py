@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 from tokenizers import Regex, normalizers
 
 DEAD = -1  # a look-back slot that is blocked: before the sequence start or at a dead position
@@ -131,6 +132,7 @@ class NgramHasher:
         self.multipliers = np.stack([hash_multipliers(l, layout.max_ngram, compressed_vocab) for l in layout.layer_ids])
         self.primes = np.asarray(layout.primes, dtype=np.int64).reshape(len(layout.layer_ids), -1)  # [L, cols]
         self.offsets = np.asarray(layout.offsets, dtype=np.int64)  # [L, cols]
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     @property
     def context_len(self) -> int:
@@ -166,6 +168,31 @@ class NgramHasher:
         back = history[:, ::-1]  # k = 0 is the token itself
         blocked = np.cumsum(back == DEAD, axis=1) > 0
         return self._hash(np.where(blocked, self.pad, back))
+
+    def next_row_ids_tensor(self, token_ids: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:
+        """`next_row_ids` as torch ops on the tensors' device (int64 tokens [N], contexts [N, N-1]):
+        a decode step's sampled tokens hashed where they were sampled, with no host sync and a fixed
+        number of ops whatever N is. Bitwise the same ids: int64 products never overflow (the
+        multipliers' bound) and mixes are non-negative, so `%` agrees with numpy's."""
+        lookup, multipliers, primes, offsets = self._tensors(token_ids.device)
+        history = torch.cat([contexts, lookup[token_ids][:, None]], dim=1)
+        back = history.flip(1)  # k = 0 is the token itself
+        blocked = torch.cumsum((back == DEAD).to(torch.int64), dim=1) > 0
+        tokens = torch.where(blocked, torch.full_like(back, self.pad), back)
+        products = tokens[:, None, :] * multipliers[None]  # [N, L, n]
+        mixes = [products[..., 0]]
+        for k in range(1, products.shape[-1]):
+            mixes.append(mixes[-1] ^ products[..., k])
+        per_column = torch.stack(mixes[1:], dim=2).repeat_interleave(self.layout.n_heads, dim=2)
+        return per_column % primes[None] + offsets[None]
+
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The lookup, multipliers, primes and offsets as tensors on `device`, copied there once."""
+        cached = self._on_device.get(device)
+        if cached is None:
+            arrays = (self.lookup, self.multipliers, self.primes, self.offsets)
+            cached = self._on_device[device] = tuple(torch.from_numpy(a).to(device) for a in arrays)
+        return cached
 
     def advance(self, contexts: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """The carried contexts [N, N-1] (oldest first) after one more token each."""
