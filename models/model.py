@@ -64,27 +64,34 @@ class DeepseekV4(nn.Module):
         self.lm_head = lm_head(config, tp)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None,
+                streams_out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
-        (written into `out` when the caller owns the buffer)."""
+        (written into `out` when the caller owns the buffer). `streams_out` [T, hc_mult, hidden]: receives
+        every row's residual streams after the last layer (what the MTP layers read, models/mtp.py)."""
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         self._check(batch, cache)
         streams = self._streams(batch.token_ids)
         with rope_step():  # the layers of one rope kind share its cos / sin
             for index, layer in enumerate(self.model.layers):
                 streams = layer(streams, batch, cache, index)
+        if streams_out is not None:
+            streams_out.copy_(streams)
         hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))
         return logits_into(self.lm_head(hidden), out)
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, cache: ModelCache) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, cache: ModelCache,
+               streams_out: torch.Tensor | None = None) -> torch.Tensor:
         """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab]. Reads no
         value on the host, so worker/cuda_graphs.py captures it; the same numbers as `forward` up to
-        the order of float sums."""
+        the order of float sums. `streams_out` as `forward`'s ([B, hc_mult, hidden])."""
         streams = self._streams(batch.token_ids)
         with rope_step():  # the layers of one rope kind share its cos / sin
             for index, layer in enumerate(self.model.layers):
                 streams = layer(streams, batch, cache, index)
+        if streams_out is not None:
+            streams_out.copy_(streams)
         return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()
 
     def _streams(self, token_ids: torch.Tensor) -> torch.Tensor:
