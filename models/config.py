@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     # V4.1's quantization-aware formats; off only to compare with a reference run without them.
     simulate_quantization: bool = True
+    # V4's MTP (next-token prediction) layers after the last layer, by attention kind (the release lists
+    # each one's ratio after the layers' in compress_ratios: 0, sliding only); empty without them.
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_compress_rates: tuple[int, ...] = ()
 
     @property
     def is_v41(self) -> bool:
@@ -131,6 +135,18 @@ class ModelConfig:
 
     def is_compressed(self, layer: int) -> bool:
         return self.compress_rates[layer] > 0
+
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        return len(self.mtp_layer_types)
+
+    def mtp_layers_config(self) -> "ModelConfig":
+        """The MTP layers alone, as the layers of a model (layer i = MTP layer i, each a routed MoE, never
+        hash-routed: DeepSeek's MTP blocks continue the layer ids past the hash layers), so the layer
+        classes and ModelCache.allocate build them and their state by index."""
+        n = self.num_nextn_predict_layers
+        return replace(self, num_layers=n, layer_types=self.mtp_layer_types, compress_rates=self.mtp_compress_rates,
+                       mlp_layer_types=(MOE,) * n, mtp_layer_types=(), mtp_compress_rates=())
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -155,20 +171,29 @@ class ModelConfig:
             )
         d = dict(raw)
         n_layers = _require(d, "num_hidden_layers")
-        layer_types = _layer_types(d, n_layers)
+        n_mtp = d.get("num_nextn_predict_layers") or 0
+        if not isinstance(n_mtp, int) or n_mtp < 0:
+            raise ConfigError(f"num_nextn_predict_layers {n_mtp!r} must be a count of layers (>= 0)")
+        all_types = _layer_types(d, n_layers, n_mtp)
+        layer_types, mtp_types = all_types[:n_layers], all_types[n_layers:]
         rates_by_type = dict(_DEFAULT_COMPRESS_RATES)
         rates_by_type.update(d.get("compress_rates") or {})
         for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
             if d.get(legacy) is not None:
                 rates_by_type[kind] = d[legacy]
-        compress_rates = tuple(0 if t == SLIDING else int(rates_by_type[t]) for t in layer_types)
+
+        def rates(types: tuple[str, ...]) -> tuple[int, ...]:
+            return tuple(0 if t == SLIDING else int(rates_by_type[t]) for t in types)
+
         return cls(
             **_common_fields(d, index_n_heads=64, rms_norm_eps=1e-6),
             model_type=model_type,
             num_layers=n_layers,
             layer_types=layer_types,
-            compress_rates=compress_rates,
+            compress_rates=rates(layer_types),
             mlp_layer_types=_mlp_layer_types(d, n_layers),
+            mtp_layer_types=mtp_types,
+            mtp_compress_rates=rates(mtp_types),
         )._validated()
 
     @classmethod
@@ -254,7 +279,9 @@ def _require(d: dict[str, Any], key: str) -> Any:
     return d[key]
 
 
-def _layer_types(d: dict[str, Any], n: int) -> tuple[str, ...]:
+def _layer_types(d: dict[str, Any], n: int, mtp: int = 0) -> tuple[str, ...]:
+    """The n layers' kinds, then the `mtp` MTP layers': the entries after the n-th where the config lists
+    them (the release's compress_ratios does), sliding where it does not."""
     if d.get("layer_types") is not None:
         types = list(d["layer_types"])
     elif d.get("compress_ratios") is not None:
@@ -264,9 +291,9 @@ def _layer_types(d: dict[str, Any], n: int) -> tuple[str, ...]:
             raise ConfigError(f"compress_ratios entry {exc.args[0]} is not one of 0, 4, 128") from exc
     else:  # transformers' default schedule: two HCA layers, then CSA / HCA interleaved
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    types = types[:n]
-    if len(types) != n:
+    if len(types) < n:
         raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+    types = types[:n + mtp] + [SLIDING] * max(0, n + mtp - len(types))
     bad = [t for t in types if t not in ATTENTION_LAYER_TYPES]
     if bad:
         raise ConfigError(f"layer_types entries {bad} are not among {ATTENTION_LAYER_TYPES}")

@@ -42,13 +42,17 @@ def build_dummy_model(
     engram: EngramOptions | None = None,
     tp: TensorParallel = SINGLE,
     tokenizer_dir: Path | None = None,
+    mtp: bool = False,
 ) -> DeepseekV4 | DeepseekV41:
     """The model of `directory`/config.json with weights drawn from `seed` on `device` (see the module
-    docstring); `engram`, `tp` and `tokenizer_dir` as load_model takes them."""
+    docstring); `engram`, `tp`, `tokenizer_dir` and `mtp` as load_model takes them."""
     directory = Path(directory)
     config_json = directory / "config.json"
     config = ModelConfig.from_file(config_json)
-    model = meta_model(config, tp)
+    try:
+        model = meta_model(config, tp, mtp)
+    except ConfigError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc
     fmt = ReleasedFormat.of(config_json) if released else None
     total = _dense_bytes(model, dtype) if fmt is None else None  # packed sizes are not known before the draw
     what = "the release's formats" if fmt is not None else str(dtype).removeprefix("torch.")

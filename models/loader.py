@@ -7,7 +7,8 @@ Quantized weights are dequantized at load into the serving dtype (the CPU refere
 - MXFP4: packed E2M1 bytes `X` ([..., in/2]) with E8M0 scales `X_scale` / `<module>.scale`
   ([..., in/32]), or gpt-oss style `X_blocks` / `X_scales`.
 Every parameter must be present with its exact shape; anything else in the files is an error, except
-the MTP layer (`mtp.*`), which serving does not run. Errors name the tensor and the file.
+the MTP layers (`mtp.*`) unless `mtp` asks for them (models/mtp.py: `model.mtp`, read as the layers
+are, in any of the formats above). Errors name the tensor and the file.
 
 `keep_quantized` (`model.quantization: checkpoint`) keeps them as stored instead where the GPU path
 reads them so: FP8 linears become `Fp8Linear` (models/layers.py) and MXFP4 routed experts stay packed
@@ -48,6 +49,7 @@ from models.layers import Fp8Linear
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.moe import Experts
+from models.mtp import attach_mtp
 from models.parallel import SINGLE, Shard, TensorParallel, shard_of
 from models.weight_names import NameIndex
 
@@ -315,22 +317,31 @@ def load_model(
     tp: TensorParallel = SINGLE,
     keep_quantized: bool = False,
     tokenizer_dir: Path | None = None,
+    mtp: bool = False,
 ) -> DeepseekV4 | DeepseekV41:
     """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
     `engram` places each Engram table in its tier (engram_store/); None reads them all into memory.
     `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide).
     `keep_quantized`: FP8 linears and MXFP4 experts stay as stored (see the module docstring).
-    `tokenizer_dir`: where V4.1's Engram hashing finds tokenizer.json (default: the checkpoint's)."""
+    `tokenizer_dir`: where V4.1's Engram hashing finds tokenizer.json (default: the checkpoint's).
+    `mtp`: also load the MTP layers as `model.mtp` (a CheckpointError when the config has none)."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
         config = replace(config, simulate_quantization=False)
     with torch.device("meta"):
         model = DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
+        if mtp:
+            try:
+                attach_mtp(model, tp)
+            except ConfigError as exc:
+                raise CheckpointError(f"{directory}: {exc}") from exc
     reader = WeightReader(TensorSource(directory), fp8_block(directory / "config.json"))
     index = NameIndex.build(reader.source.names(), module_names=config.is_v41)
     fp8_modules = _fp8_linears(model, reader, index) if keep_quantized else set()
-    ignored = IGNORED_PREFIXES + (("model.engram_tables.",) if config.engram is not None else ())  # disk tiers read files
+    ignored = () if mtp else IGNORED_PREFIXES
+    if config.engram is not None:
+        ignored += ("model.engram_tables.",)  # disk tiers read files
     total = reader.source.stored_bytes(ignored) if tp.world_size == 1 else None
     with Progress(f"loading {directory.name}", total, log, enabled=tp.rank == 0) as progress:
         for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

@@ -36,6 +36,7 @@ from models.loader import _assign, _target_dtype, cuts_whole_blocks, fp8_candida
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.moe import Experts
+from models.mtp import attach_mtp
 from models.parallel import SINGLE, Shard, TensorParallel, shard_of
 from models.released_format import ReleasedFormat, stored_fp8
 
@@ -78,10 +79,14 @@ def seeded(device: str, seed: int, name: str, part: int | None = None) -> torch.
     return torch.Generator(device).manual_seed(tensor_seed(seed, name, part))
 
 
-def meta_model(config: ModelConfig, tp: TensorParallel = SINGLE) -> DeepseekV4 | DeepseekV41:
-    """The model with every tensor on the meta device, at this rank's shard sizes."""
+def meta_model(config: ModelConfig, tp: TensorParallel = SINGLE, mtp: bool = False) -> DeepseekV4 | DeepseekV41:
+    """The model with every tensor on the meta device, at this rank's shard sizes; with `mtp`, its MTP
+    layers too (`model.mtp`, models/mtp.py)."""
     with torch.device("meta"):
-        return DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
+        model = DeepseekV41(config, tp) if config.is_v41 else DeepseekV4(config, tp)
+        if mtp:
+            attach_mtp(model, tp)
+    return model
 
 
 @torch.no_grad()

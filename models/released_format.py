@@ -1,11 +1,12 @@
 """Which weights the release stores quantized, and how: one list for the counts and the draws.
 
 The published V4 / V4.1 safetensors keep the routed experts MXFP4 (E2M1 pairs, a ue8m0 scale per 32)
-or FP8, and the attention projections, the shared expert and Engram's wkv FP8 e4m3 with one scale per
-`weight_block_size` square block; everything else in its serving dtype (float32 where the loader keeps
-float32). `python -m server plan` counts a checkpoint's bytes by this list (engine/plan_weights.py),
-and dummy weights in the released format are drawn by it (models/random_model.py), so both describe
-the same model as a real checkpoint loaded with `model.quantization: checkpoint`.
+or FP8, and the attention projections, the shared expert, Engram's wkv and the MTP layer's e_proj and
+h_proj FP8 e4m3 with one scale per `weight_block_size` square block; everything else in its serving
+dtype (float32 where the loader keeps float32). `python -m server plan` counts a checkpoint's bytes by
+this list (engine/plan_weights.py), and dummy weights in the released format are drawn by it
+(models/random_model.py), so both describe the same model as a real checkpoint loaded with
+`model.quantization: checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from kernels.quant import FP8_BLOCK
 from models.loader import fp8_block  # the loader's reading of weight_block_size (and its checks)
 
 ATTENTION_PROJECTIONS = tuple(f".self_attn.{p}_proj.weight" for p in ("q_a", "q_b", "kv", "o_a", "o_b"))
-STORED_FP8 = ATTENTION_PROJECTIONS + (".mlp.shared_experts.", ".engram.wkv.weight")
+STORED_FP8 = ATTENTION_PROJECTIONS + (".mlp.shared_experts.", ".engram.wkv.weight", ".e_proj.weight",
+                                      ".h_proj.weight")
 ROUTED_EXPERTS = ".mlp.experts."
 
 

@@ -24,9 +24,7 @@ from safetensors.torch import save_file
 from kernels.fake_quant import FP8_MAX, pow2_ceil
 from models.config import ModelConfig
 from models.engram_setup import engram_hasher
-from models.model import DeepseekV4
-from models.model_v41 import DeepseekV41
-from models.random_model import random_tensor
+from models.random_model import meta_model, random_tensor
 
 SPECIAL_TOKENS = [
     "<｜begin▁of▁sentence｜>",
@@ -190,11 +188,10 @@ def quantize_engram_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def random_weights(config: ModelConfig, seed: int = 0, engram_tables: bool = True) -> dict[str, torch.Tensor]:
     """Seeded weights scaled so activations stay O(1) through every layer (no dead branches), by
-    models/random_model.py's rule. `engram_tables=False` leaves the (possibly huge) Engram tables to
-    the caller."""
+    models/random_model.py's rule; the MTP layers' last (`mtp.N.*`), when a V4 config has them.
+    `engram_tables=False` leaves the (possibly huge) Engram tables to the caller."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
+    model = meta_model(config, mtp=config.num_nextn_predict_layers > 0)
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         weights[name] = random_tensor(name, tensor.shape, config.n_routed_experts, generator)

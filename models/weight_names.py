@@ -3,8 +3,10 @@
 Three spellings reach the loader: transformers' module names (`model.layers.0.self_attn.q_a_proj`),
 the original release's (`layers.0.attn.wq_a`, per-expert `ffn.experts.3.w1`), and what
 transformers' `save_pretrained` writes, which is the release spelling under a `model.` prefix.
-All are mapped onto the module names; per-expert matrices are stacked into the fused
-`experts.gate_up_proj` ([E, 2I, D], w1 rows then w3 rows) and `experts.down_proj` ([E, D, I]).
+The MTP layers (`mtp.N.*`) map onto models/mtp.py's MTPLayer `mtp.N`: its own tensors keep their names
+(`hc_head_fn` becomes `hc_head.hc_fn`, as the model's does), its decoder layer's are renamed as a layer's
+are, under `mtp.N.block.`. All are mapped onto the module names; per-expert matrices are stacked into the
+fused `experts.gate_up_proj` ([E, 2I, D], w1 rows then w3 rows) and `experts.down_proj` ([E, D, I]).
 """
 
 from __future__ import annotations
@@ -41,19 +43,34 @@ _LAYER_RENAMES = [
     (re.compile(r"\.shared_experts\.w2\."), ".shared_experts.down_proj."),
     (re.compile(r"\.shared_experts\.w3\."), ".shared_experts.up_proj."),
 ]
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.(?:block\.)?mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_MTP_OWN = ("enorm.", "hnorm.", "norm.", "e_proj.", "h_proj.", "hc_head.", "block.")  # the rest: its decoder layer's
 
 
 def module_name(stored: str) -> str:
     name = stored[len("model."):] if stored.startswith("model.") else stored
     if name in ("head.weight", "lm_head.weight"):
         return "lm_head.weight"
+    if _MTP.match(name):
+        return _mtp_module_name(name)
     for pattern, replacement in _TOP_LEVEL:
         name = pattern.sub(replacement, name)
     if name.startswith("layers."):
         for pattern, replacement in _LAYER_RENAMES:
             name = pattern.sub(replacement, name)
     return "model." + name
+
+
+def _mtp_module_name(name: str) -> str:
+    index, rest = _MTP.match(name).groups()
+    rest = re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", rest)
+    if rest.startswith(_MTP_OWN):
+        return f"mtp.{index}.{rest}"
+    name = f"mtp.{index}.block.{rest}"
+    for pattern, replacement in _LAYER_RENAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 @dataclass
