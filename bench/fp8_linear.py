@@ -10,6 +10,7 @@ gate/up 2048x4096; V4.1-Flash (32 x 32 blocks) q_b 32768x1280, o_b 5120x8192, sh
 Weights: random, quantized with power-of-two (UE8M0) block scales as released; x random bf16 (fresh
 per shape, never zeros). Paths:
 - splitk: `fp8_linear_triton`, today's decode kernel (its DECODE_CONFIGS row for the block and M).
+- splitk_sum_kernel: the same with the K shares added by a second kernel (not by the tile's last share).
 - splitk_config: the same kernel per `SPLITK_CONFIGS` row (--configs, M <= 32); the summary names the best.
 - reference: `fp8_linear_reference` (dequantize W, bf16 F.linear): today's path for M > 256.
 - cublas_bf16: F.linear on a W dequantized ahead of time (cuBLAS bf16 ceiling, no dequant cost).
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                 truth = x.double() @ w64.t()
                 calls = 20 if m <= 256 else 3
                 paths = [("splitk", tuple(decode_config(block, m)), lambda w, s: fp8_linear_triton(x, w, s, block)),
+                         ("splitk_sum_kernel", tuple(decode_config(block, m)),
+                          lambda w, s: fp8_linear_triton(x, w, s, block, last_sums=False)),
                          ("reference", None, lambda w, s: fp8_linear_reference(x, w, s, block)),
                          ("dispatch", None, lambda w, s: fp8_linear(x, w, s, block))]
                 for config in (SPLITK_CONFIGS[block] if args.configs and m <= 32 else []):
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def summary(rows: list[dict]) -> None:
     """The fastest config of each path per (block, shape, M): ms (rel_err x 1e3) per path."""
-    names = ["splitk", "splitk_config", "dispatch", "dequant_cublas", "reference", "tc", "w8a8", "scaled_mm", "cublas_bf16", "dequant_only"]
+    names = ["splitk", "splitk_sum_kernel", "splitk_config", "dispatch", "dequant_cublas", "reference", "tc", "w8a8", "scaled_mm", "cublas_bf16", "dequant_only"]
     print("block shape m | " + " | ".join(names) + "   (ms, rel_err x 1e3)")
     keys = sorted({(r["block"], r["shape"], r["m"]) for r in rows}, key=lambda t: (-t[0], t[1], t[2]))
     for key in keys:

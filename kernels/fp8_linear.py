@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.quant import FP8_BLOCK, _as_float_scales, dequantize_fp8_blocks
+from kernels.split_k import tile_counters
 
 try:
     import triton
@@ -47,7 +48,8 @@ BLOCK_M = 16  # rows of x per program (tl.dot's smallest)
 class DecodeConfig(NamedTuple):
     """The split-K kernel's shape: output columns per program, K columns per step (a multiple or a
     divisor of the scale block), the programs the K split aims at (it stops at one K step a share),
-    warps, and software-pipelining depth (num_stages)."""
+    warps, and software-pipelining depth (num_stages). (W x x^T, the weights as wgmma's register
+    operand, measured 3-30% slower at every V4 shape: BENCHMARKS.md, fourteenth session.)"""
 
     block_n: int
     block_k: int
@@ -157,8 +159,10 @@ def decode_config(block: int, rows: int) -> DecodeConfig:
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
-                      config: DecodeConfig | None = None) -> torch.Tensor:
-    """`fp8_linear_reference` by the split-K kernel; `config` None: decode_config(block, rows)."""
+                      config: DecodeConfig | None = None, last_sums: bool = True) -> torch.Tensor:
+    """`fp8_linear_reference` by the split-K kernel; `config` None: decode_config(block, rows).
+    `last_sums`: a tile's last share adds the shares (one launch) where the counters allow; False: a
+    second kernel adds them (the same bits; kept to measure the difference)."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
@@ -174,14 +178,16 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if not m:
         return out.view(*x.shape[:-1], n)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = tile_counters(x.device, tiles) if last_sums and split > 1 else None
     hw = not _interpreting()
     _fp8_linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n), split)](
-        rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial, m, n, k, scale.shape[1],
-        steps_per_split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.warps,
-        num_stages=config.stages,
+        rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial, out,
+        partial if counters is None else counters, m, n, k, scale.shape[1], steps_per_split, split, BLOCK=block,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", LAST_SUMS=counters is not None,
+        num_warps=config.warps, num_stages=config.stages,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         _sum_shares_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, split, BLOCK=SUM_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], n)
 
@@ -212,15 +218,18 @@ if triton is not None:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
         return w.to(dtype)
 
-    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split"])
-    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_blocks, steps_per_split, BLOCK: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
-                           PRECISION: tl.constexpr):
+    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split", "shares"])
+    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, partial_ptr, y_ptr, counter_ptr, m, n, k, k_blocks,
+                           steps_per_split, shares, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr,
+                           LAST_SUMS: tl.constexpr):
         """Program (i, j, s): rows tile i, columns tile j, K steps [s * steps_per_split, ...) -> the
-        float32 partial sums out[s, rows, cols], or with one share (a grid of one along axis 2) y itself
-        in out's dtype. m, k_blocks and the steps are not specialized on (one compiled kernel for every
-        decode batch and split); the shares start at multiples of BLOCK_K, so the loads keep their
-        vector width."""
+        float32 partial sums partial[s, rows, cols], or with one share (a grid of one along axis 2) y
+        itself in y's dtype (partial is y then). LAST_SUMS: the tile's last program to finish (its arrival
+        counter says so) adds the shares in share order into y, as _sum_shares_kernel would, and resets
+        the counter: no second launch, the same bits. m, k_blocks and the steps are not specialized on
+        (one compiled kernel for every decode batch and split); the shares start at multiples of
+        BLOCK_K, so the loads keep their vector width."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(2)
@@ -234,9 +243,18 @@ if triton is not None:
             w = _scaled_w_tile(w_ptr, scale_ptr, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
                                HW_CVT)
             acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
-        out = out_ptr + share.to(tl.int64) * m * n
-        tl.store(out + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=in_rows[:, None] & in_cols[None, :])
+        offsets = rows[:, None].to(tl.int64) * n + cols[None, :]
+        inside = in_rows[:, None] & in_cols[None, :]
+        tl.store(partial_ptr + share.to(tl.int64) * m * n + offsets, acc.to(partial_ptr.dtype.element_ty), mask=inside)
+        if LAST_SUMS:
+            tl.debug_barrier()  # every thread's partial sums stored before the release below
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == shares - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for other in range(0, shares):  # L2 reads (.cg): the other shares' sums were written by other SMs
+                    total += tl.load(partial_ptr + other * m * n + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + offsets, total.to(y_ptr.dtype.element_ty), mask=inside)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
     @triton.jit(do_not_specialize=["size", "shares"])
     def _sum_shares_kernel(partial_ptr, out_ptr, size, shares, BLOCK: tl.constexpr):

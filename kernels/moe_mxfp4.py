@@ -38,6 +38,7 @@ import torch
 
 from kernels.moe_pairs import pair_table, sum_pairs
 from kernels.quant import MXFP4Experts
+from kernels.split_k import tile_counters
 
 try:
     import triton
@@ -61,7 +62,9 @@ REDUCE_BLOCK = 256
 class Tile(NamedTuple):
     """One GEMM's program: pairs x output rows x K step, warps, and software-pipelining depth (Triton's
     num_stages: how many K steps of codes, scales and activations are in flight through shared memory
-    while one is multiplied; 3 is Triton's default on CUDA). A plain 4-tuple is a Tile of 3 stages."""
+    while one is multiplied; 3 is Triton's default on CUDA). A plain 4-tuple is a Tile of 3 stages.
+    (W x a^T, the decoded weights as wgmma's register operand, measured 25-45% slower: BENCHMARKS.md,
+    fourteenth session.)"""
 
     block_m: int
     block_n: int
@@ -90,10 +93,13 @@ def experts_by_expert(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
     first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None, *,
     blocks: Blocks = DECODE_BLOCKS, upcast: str | None = None, splits: tuple[int, int] | None = None,
+    last_sums: bool = True,
 ) -> torch.Tensor:
     """`experts_reference`'s contract (kernels/moe.py) for bf16 x and MXFP4 weights, at most
     MAX_SCAN_PAIRS pairs. `upcast`: one of UPCASTS (None: "ptx", or "bits" in Triton's interpreter);
-    `splits`: K shares of (gate_up, down), at most one a K step (None: DECODE_SPLITS' row)."""
+    `splits`: K shares of (gate_up, down), at most one a K step (None: DECODE_SPLITS' row);
+    `last_sums`: gate_up's last share adds its shares (kernels/split_k.py) where it can; False: a
+    second kernel does (the same bits)."""
     tokens, k = experts.shape
     pairs = tokens * k
     if pairs > MAX_SCAN_PAIRS:
@@ -101,7 +107,7 @@ def experts_by_expert(
     expert_of, weight = pair_table(experts, weights, first, gate_up.shape[0])
     table = _ScanTable(expert_of, pairs)
     return _run(x, weight, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
-                _checked(upcast), splits or decode_splits(pairs), residual)
+                _checked(upcast), splits or decode_splits(pairs), residual, last_sums)
 
 
 def decode_splits(pairs: int) -> tuple[int, int]:
@@ -187,7 +193,7 @@ class _SortedTable:
 def _run(
     x: torch.Tensor, weight: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
     gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
-    blocks: Blocks, upcast: str, splits: tuple[int, int], residual: torch.Tensor | None,
+    blocks: Blocks, upcast: str, splits: tuple[int, int], residual: torch.Tensor | None, last_sums: bool = True,
 ) -> torch.Tensor:
     """`weight`: pair_table's (0 for another rank's pair)."""
     if x.dtype != torch.bfloat16:
@@ -203,12 +209,15 @@ def _run(
     shares, share_steps = _shares(dim, tile.block_k, splits[0])
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(shares, pairs, double_inter, dtype=torch.float32, device=x.device) if shares > 1 else hidden
-    _gate_up_kernel[(table.programs, triton.cdiv(inter, tile.block_n), shares)](
-        x, *tables, gate_up.codes, gate_up.scales, partial, pairs, k, dim, inter, share_steps, limit, weight_before_down,
-        SPLIT=shares > 1, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
-        num_stages=tile.stages, **shared,
+    row_blocks = triton.cdiv(inter, tile.block_n)
+    counters = tile_counters(x.device, table.programs * row_blocks) if shares > 1 and last_sums else None
+    _gate_up_kernel[(table.programs, row_blocks, shares)](
+        x, *tables, gate_up.codes, gate_up.scales, partial, hidden, partial if counters is None else counters, pairs,
+        k, dim, inter, share_steps, limit, weight_before_down, SPLIT=shares > 1, LAST_SUMS=counters is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages, **shared,
     )
-    if shares > 1:
+    if shares > 1 and counters is None:
         _swiglu_shares_kernel[(pairs, triton.cdiv(inter, REDUCE_BLOCK))](
             partial, expert_of, weight, hidden, pairs, inter, shares, limit, weight_before_down, BLOCK=REDUCE_BLOCK,
             num_warps=4,
@@ -378,13 +387,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _gate_up_kernel(
         x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
-        codes_ptr, scales_ptr, out_ptr, pairs, k, dim, inter, share_steps, limit, WEIGHT_BEFORE_DOWN: tl.constexpr,
-        SPLIT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
+        codes_ptr, scales_ptr, out_ptr, hidden_ptr, counter_ptr, pairs, k, dim, inter, share_steps, limit,
+        WEIGHT_BEFORE_DOWN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Program (block, row block, share): gate and up over K steps [share x share_steps, + share_steps). SPLIT:
-        their float32 sums to out[share, pair, rows] and [..., inter + rows]; else the activation (and
-        the routing weight) to out[pair, rows] in bf16."""
+        their float32 sums to out[share, pair, rows] and [..., inter + rows], and with LAST_SUMS the
+        tile's last share to finish (kernels/split_k.py) adds them in share order as
+        _swiglu_shares_kernel does, into hidden; else the activation (and the routing weight) to
+        hidden[pair, rows] in bf16 (out is hidden then)."""
         limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
                                            block_end_ptr, pairs, SORTED, BLOCK_M)
@@ -412,11 +423,32 @@ if triton is not None:
             row = out_ptr + (tl.program_id(2).to(tl.int64) * pairs + pair.to(tl.int64))[:, None] * 2 * inter
             tl.store(row + rows[None, :], gate, mask=both)
             tl.store(row + inter + rows[None, :], up, mask=both)
+            if LAST_SUMS:
+                tl.debug_barrier()  # every thread's partial sums stored before the release below
+                counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+                    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for share in range(0, tl.num_programs(2)):  # L2 reads: other SMs wrote these
+                        sums = out_ptr + (share * pairs + pair.to(tl.int64))[:, None] * 2 * inter + rows[None, :]
+                        gate += tl.load(sums, mask=both, other=0.0, cache_modifier=".cg")
+                        up += tl.load(sums + inter, mask=both, other=0.0, cache_modifier=".cg")
+                    _store_activation(hidden_ptr, weight_ptr, gate, up, pair, rows, valid, both, inter, limit,
+                                      WEIGHT_BEFORE_DOWN)
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         else:
-            hidden = _swiglu(gate, up, limit)
-            if WEIGHT_BEFORE_DOWN:
-                hidden = hidden * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
-            tl.store(out_ptr + pair.to(tl.int64)[:, None] * inter + rows[None, :], hidden.to(tl.bfloat16), mask=both)
+            _store_activation(hidden_ptr, weight_ptr, gate, up, pair, rows, valid, both, inter, limit,
+                              WEIGHT_BEFORE_DOWN)
+
+    @triton.jit
+    def _store_activation(hidden_ptr, weight_ptr, gate, up, pair, rows, valid, both, inter, limit,
+                          WEIGHT_BEFORE_DOWN: tl.constexpr):
+        """hidden[pair, rows] = the clamped SwiGLU of gate / up [pairs, rows] (times the routing weight
+        where it comes before down) in bf16."""
+        hidden = _swiglu(gate, up, limit)
+        if WEIGHT_BEFORE_DOWN:
+            hidden = hidden * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+        tl.store(hidden_ptr + pair.to(tl.int64)[:, None] * inter + rows[None, :], hidden.to(tl.bfloat16), mask=both)
 
     @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _down_kernel(

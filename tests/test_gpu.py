@@ -463,6 +463,31 @@ def test_fp8_linear_kernel_compiled_equals_the_reference(dtype):
 
 
 @pytest.mark.parametrize("block", [128, 32])
+def test_fp8_linear_last_share_sums_compiled_are_the_sum_kernels_bits(block):
+    """The split-K kernel whose last program of a tile adds the shares (arrival counters, acq_rel):
+    bitwise the two-kernel path's result, eagerly and replayed in a CUDA graph many times over (a
+    missed arrival or a stale read would show as a wrong tile), counters at zero after."""
+    import kernels.fp8_linear as fp8
+    from kernels.split_k import tile_counters
+    from tests.test_triton_kernels import random_fp8_weight
+
+    generator = torch.Generator("cuda").manual_seed(block)
+    weight, scale = random_fp8_weight(4096, 4096, block, generator, "cuda")
+    x = torch.randn(8, 4096, generator=generator, device="cuda").bfloat16()
+    config = fp8.decode_config(block, 8)
+    counted = fp8.fp8_linear_triton(x, weight, scale, block, config)
+    two_kernels = fp8.fp8_linear_triton(x, weight, scale, block, config, last_sums=False)
+    assert torch.equal(counted, two_kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fp8.fp8_linear_triton(x, weight, scale, block, config)
+    for _ in range(50):
+        graph.replay()
+        assert torch.equal(replayed, two_kernels)
+    assert not bool(tile_counters(x.device, 1).any())
+
+
+@pytest.mark.parametrize("block", [128, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_linear_tensor_core_tiles_compiled_equal_the_reference(block, dtype):
     """The large-M path (prefill, large decode batches) with its default tiles, on fresh random inputs,
@@ -589,6 +614,34 @@ def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():
     x.copy_(torch.randn(4, 128, device="cuda", generator=generator))
     graph.replay()
     assert torch.equal(captured, experts_by_expert(*args()))
+
+
+def test_mxfp4_gate_up_last_share_sums_are_the_sum_kernels_bits():
+    """V4-Flash-sized decode steps of 1 and 2 tokens (gate_up split into 2 and 4 K shares): the last
+    share's sums (kernels/split_k.py) give the separate sum kernel's bits, eagerly and over 50 graph
+    replays on changing routing; the counters are back at zero after."""
+    from kernels.moe_mxfp4 import experts_by_expert
+    from kernels.split_k import tile_counters
+    from kernels.quant import MXFP4Experts, quantize_mxfp4
+
+    generator = torch.Generator("cuda").manual_seed(6)
+    gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(16, 4096, 4096, device="cuda", generator=generator) / 64))
+    down = MXFP4Experts(*quantize_mxfp4(torch.randn(16, 4096, 2048, device="cuda", generator=generator) / 45))
+    for tokens in (1, 2):
+        x = torch.randn(tokens, 4096, device="cuda", generator=generator).bfloat16()
+        experts = torch.randint(0, 16, (tokens, 6), device="cuda", generator=generator)
+        weights = torch.rand(tokens, 6, device="cuda", generator=generator)
+        run = lambda last_sums=True: experts_by_expert(x, weights, experts, gate_up, down, 0, 10.0, False,  # noqa: E731
+                                                       last_sums=last_sums)
+        assert torch.equal(run(), run(last_sums=False))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        for _ in range(50):
+            experts.copy_(torch.randint(0, 16, (tokens, 6), device="cuda", generator=generator))
+            graph.replay()
+            assert torch.equal(captured, run(last_sums=False))
+    assert not bool(tile_counters(x.device, 1).any())
 
 
 def test_engram_gather_kernel_compiled_is_bitwise_the_reference():

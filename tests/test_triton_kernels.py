@@ -387,8 +387,8 @@ def test_mxfp4_tensor_core_experts_equal_the_reference():
 
 
 def test_mxfp4_scanning_experts_split_k_into_shares(monkeypatch):
-    """The decode kernels with K cut into shares (partial sums added by the reduce kernels, SiLU * up
-    after gate_up's): 3 K steps of 32 in 2 shares (a short last one) or 3, an expert another rank's,
+    """The decode kernels with K cut into shares (partial sums added by gate_up's last share or the
+    reduce kernel, SiLU * up after; down's by the pair sum): 3 K steps of 32 in 2 shares (a short last one) or 3, an expert another rank's,
     routing weights before or after down; bitwise the same on a second run (the shares are added in a
     fixed order, no atomics). The scan reads the expert ids 8 at a time here (SCAN_CHUNK is 256), so
     the 12 pairs take two chunks."""
@@ -406,9 +406,10 @@ def test_mxfp4_scanning_experts_split_k_into_shares(monkeypatch):
     gate_up, down = (MXFP4Experts(*quantize_mxfp4(torch.randn(4, rows, 96, generator=generator, device=DEVICE) / 10))
                      for rows in (192, 96))
     small = {"gate_up": (16, 32, 32, 4, 2), "down": (16, 32, 32, 4, 2)}
-    run = lambda: mx.experts_by_expert(x, weights, experts, gate_up, down, 2, 1.5, False, blocks=small,  # noqa: E731
-                                       upcast="bits", splits=(3, 2))
+    run = lambda last_sums=True: mx.experts_by_expert(x, weights, experts, gate_up, down, 2, 1.5, False,  # noqa: E731
+                                                      blocks=small, upcast="bits", splits=(3, 2), last_sums=last_sums)
     assert torch.equal(run(), run())
+    assert torch.equal(run(), run(last_sums=False))  # gate_up's last share adds the shares: the sum kernel's bits
 
 
 def test_mxfp4_decode_split_table_covers_every_scanned_pair_count():
@@ -530,6 +531,21 @@ def test_fp8_linear_split_k_configs_equal_the_reference(block):
     for config in (DecodeConfig(16, block // 2, 1, 4, 2), DecodeConfig(32, 128, 10**6, 4, 3),
                    DecodeConfig(16, 4 * block if block == 32 else 256, 8, 4, 1)):
         check_fp8_linear(rows=2, n=40, k=700, dtype=torch.float32, seed=block, block=block, config=config)
+
+
+def test_fp8_linear_last_share_adds_the_shares():
+    """The split-K kernel's last program of a tile adds the K shares (arrival counters): bitwise the
+    separate sum kernel's result, the counters back at zero after."""
+    import kernels.fp8_linear as fp8
+    from kernels.split_k import tile_counters
+
+    generator = torch.Generator(DEVICE).manual_seed(11)
+    weight, scale = random_fp8_weight(70, 700, 128, generator, DEVICE)
+    x = torch.randn(3, 700, generator=generator, device=DEVICE)
+    config = fp8.DecodeConfig(32, 128, 10**6, 4, 3)  # 3 x 6 tiles, 6 shares
+    counted = fp8.fp8_linear_triton(x, weight, scale, 128, config)
+    assert not bool(tile_counters(x.device, 1).any())
+    assert torch.equal(counted, fp8.fp8_linear_triton(x, weight, scale, 128, config, last_sums=False))
 
 
 @pytest.mark.parametrize("block", [128, 32])
