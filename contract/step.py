@@ -1,8 +1,8 @@
 """StepPlan / StepResult: the messages between the scheduler and the worker for one step.
 
-Multi-token steps have their seam here (speculative decoding comes later): a chunk may carry draft
-tokens to verify after its tokens, and a result may carry the drafts it accepted before the token it
-sampled. The scheduler applies a result's tokens one by one, with the stop and length checks after
+Multi-token steps (speculative decoding): a chunk may carry draft tokens to verify after its tokens,
+and a result may carry the drafts it accepted before the token it sampled, and the drafts the worker
+proposes for the step after. The scheduler applies a result's tokens one by one, with the stop and length checks after
 each; worker/runner.py's docstring says how a rejected draft would be rolled back.
 """
 
@@ -122,6 +122,9 @@ class ChunkResult:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # logprob of chunk token i+1 given tokens <= i
     error: str | None = None  # this chunk could not be computed correctly (e.g. an unreadable Engram row)
     accepted: tuple[TokenLogprob, ...] = ()  # a prefix of the chunk's draft_token_ids; empty without drafts
+    # draft tokens the worker's proposer (speculative decoding) suggests to follow `sampled`: the
+    # scheduler may send them back as the next chunk's draft_token_ids (fewer, or none, is always right)
+    proposed: tuple[int, ...] = ()
 
     @property
     def new_tokens(self) -> tuple[TokenLogprob, ...]:
