@@ -62,6 +62,7 @@ class DeepseekV4(nn.Module):
         self.config = config
         self.model = Backbone(config, tp)
         self.lm_head = lm_head(config, tp)
+        self.mtp: nn.ModuleList | None = None  # the MTP draft layers, when loaded (models/mtp.py attach_mtp)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None,

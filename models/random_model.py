@@ -125,13 +125,13 @@ def draw_weights(
 
 
 def build_random_model(
-    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0
+    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0, mtp: bool = False,
 ) -> DeepseekV4 | DeepseekV41:
-    """The model with seeded random weights drawn on `device` (draw_weights). Engram tables are not
-    built here (models/dummy_weights.py builds them for a served directory)."""
+    """The model with seeded random weights drawn on `device` (draw_weights), with `mtp` its MTP layers
+    too. Engram tables are not built here (models/dummy_weights.py builds them for a served directory)."""
     if config.engram is not None:
         raise ConfigError("build_random_model does not build Engram tables: use a config without engram_layer_ids")
-    model = meta_model(config)
+    model = meta_model(config, mtp=mtp)
     draw_weights(model, seed, dtype, device)
     return model.eval()
 

@@ -23,16 +23,16 @@ takes no pending inputs (`pending_inputs` False: the engine plans its decodes af
 The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
 the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
 
-Multi-token steps (the seam; speculative decoding is a later issue): a chunk may carry
-`draft_token_ids` and its result `accepted` drafts (contract/step.py). This runner refuses a plan
-with drafts (NotImplementedError) rather than verify them: the verify step is not built yet. The
-rollback it will need is built: a forward moves each slot's fixed state (window rings, compressor
-groups) past every token it computes, so a cache allocated with `draft_tokens` (ModelCache.allocate)
-gives those rings that many spare rows, and rolling back a rejected draft is resuming the slot at the
-accepted position, with nothing to restore or recompute (tests/test_draft_rollback.py; V4 only: V4.1's
-shared-store groups and Engram look-back are next). Verifying is then: forward token_ids + drafts with
-a logit row at each draft, and accept drafts by worker/spec_verify.py (greedy, rejection sampling or
-block verification) on the distributions the draw rows' sampling parameters make.
+Speculative decoding (issue 27): a chunk may carry `draft_token_ids` (at most `draft_tokens`); the
+runner forwards them after the chunk's token, draws at every position and keeps the drafts while each
+is the token drawn there (`_verify`), reporting them as `accepted`. Rolling back a rejected draft needs
+nothing: a forward moves each slot's fixed state (window rings, compressor groups) past every token it
+computes, and a cache allocated with `draft_tokens` (ModelCache.allocate) gives those rings that many
+spare rows, so the slot simply resumes at the accepted position (tests/test_draft_rollback.py; V4 only:
+V4.1's shared-store groups and Engram look-back are next). With a `proposer` (worker/proposers.py) the
+runner then asks it for each sampling request's next drafts, reported as ChunkResult.proposed. A
+proposer that reads the target's residual streams (MTP) runs every step eagerly: the decode graphs do
+not hand their streams out yet.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from models.model_v41 import DeepseekV41
 from models.transfer import on_device
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
 from worker.prefix_tiers import DiskTier, HostTier, Tickets
+from worker.proposers import ComputedChunk, DraftProposer
 from worker.sampler import NOT_DRAWABLE, DrawRow, Draws, draw_rows, prompt_logprobs
 
 # a plan with no chunks but tier moves in flight waits this long at most for a completion (blocking on
@@ -96,6 +97,8 @@ class StepContext:
     draws: Draws | None = None
     sampled: dict[str, TokenLogprob] = field(default_factory=dict)
     accepted: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # a drafting chunk's passed drafts
+    streams: torch.Tensor | None = None  # the eager forward's pre-head residual streams (for the proposer)
+    proposed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the proposer's next drafts
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
@@ -140,6 +143,7 @@ class ModelRunner:
         prefix_dir: Path | None = None,
         rank: int | None = None,
         draft_tokens: int = 0,
+        proposer: DraftProposer | None = None,
     ) -> None:
         """Without `num_pages` every slot gets pages for `max_model_len` tokens (tests); the engine
         passes its memory plan's page count and each chunk's block table. `deterministic` runs every
@@ -156,8 +160,10 @@ class ModelRunner:
         `prefix_tiers`: the prefix cache's host tier (and disk tier, in `prefix_dir`/rank<`rank`>, `rank`
         defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py). `draft_tokens`: the
         most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
-        the module docstring)."""
+        the module docstring). `proposer`: proposes each sampling request's next drafts after a step
+        (worker/proposers.py; one that reads the streams turns the decode graphs off)."""
         self.model = model
+        self.proposer = proposer
         self.tp = tp
         self.deterministic = deterministic
         self.draft_tokens = draft_tokens
@@ -165,7 +171,7 @@ class ModelRunner:
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
-                  and not deterministic and tp.world_size == 1)
+                  and not deterministic and tp.world_size == 1 and not (proposer is not None and proposer.needs_streams))
         scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
@@ -365,8 +371,14 @@ class ModelRunner:
         logit_rows = [step.logit_rows[i] for i in step.eager_chunks]
         n_rows = sum(len(rows) for rows in logit_rows)
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
+        kept = {}
+        if self.proposer is not None and self.proposer.needs_streams:  # V4 (a V4.1 cache refuses drafts)
+            config = self.model.config
+            step.streams = kept["streams_out"] = torch.empty(
+                batch.token_ids.shape[0], config.hc_mult, config.hidden_size, dtype=self.model.lm_head.weight.dtype,
+                device=self.logits.device)
         with BatchInvariantMode() if self.deterministic else nullcontext():
-            logits = self.model(batch, self.cache, out=out)
+            logits = self.model(batch, self.cache, out=out, **kept)
         failed = self._engram_failures(batch.token_ids.shape[0])
         offset = 0
         for chunk, rows, batch_chunk in zip(chunks, logit_rows, batch.chunks):
@@ -423,6 +435,8 @@ class ModelRunner:
             for chunk in step.drawing:
                 drawn = [next(tokens) for _ in range(len(chunk.draft_token_ids) + 1)]
                 self._verify(step, chunk, drawn)
+        if self.proposer is not None:
+            step.proposed = self.proposer.propose(self._computed_chunks(step), step.streams)
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
         return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))
@@ -446,6 +460,23 @@ class ModelRunner:
             if self.last_logits is not None:  # the slot's state ends at the accepted position
                 self.last_logits[chunk.slot] = step.logits[chunk.request_id][-1 - len(drafts) + accepted]
 
+    def _computed_chunks(self, step: StepContext) -> list[ComputedChunk]:
+        """What the step left of each chunk that did not fail, as the proposer reads it: the forwarded
+        tokens that stand, the token drawn after them, the rows of the eager forward's streams."""
+        rows = {}
+        if step.batch is not None:
+            for index, batch_chunk in zip(step.eager_chunks, step.batch.chunks):
+                rows[step.computed[index].request_id] = slice(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+        computed = []
+        for chunk in step.plan.chunks:
+            rid = chunk.request_id
+            if rid in step.errors:
+                continue
+            sampled = step.sampled.get(rid)
+            computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
+                                          None if sampled is None else sampled.token_id, rows.get(rid)))
+        return computed
+
     def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:
         """The disk tier's moves finished since the last step (on every rank); a plan with nothing else
         to do but moves in flight first waits a little for one."""
@@ -461,7 +492,7 @@ class ModelRunner:
             return ChunkResult(request_id=request_id, sampled=None, error=step.errors[request_id])
         return ChunkResult(request_id=request_id, sampled=step.sampled.get(request_id),
                            prompt_logprobs=step.prompt_logprobs.get(request_id, ()),
-                           accepted=step.accepted.get(request_id, ()))
+                           accepted=step.accepted.get(request_id, ()), proposed=step.proposed.get(request_id, ()))
 
     # -- Engram -------------------------------------------------------------------------------------
     def _engram_failures(self, num_tokens: int) -> dict[int, str]:
