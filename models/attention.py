@@ -107,17 +107,22 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: LayerCache) -> torch.Tensor:
         """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows
         masked by position, then the compressed entries (CSA: the indexer's top-k of every entry the
-        block table can hold; HCA: all of them), visible by position."""
+        block table can hold; HCA: all of them), visible by position. A verify batch (`batch.waves`)
+        appends every row's entry to the ring first, then updates the open groups wave by wave, so each
+        row sees the entries its slot's earlier rows closed."""
         cos, sin, q_residual, q, kv = self._project(x, batch.positions)
         window_append(batch, kv, cache.window)
         entries, ids, rate = None, None, 0
         if self.compressor is not None:
-            self.compressor.decode_update(x, batch, cache.compressor, self.rope)
+            n = x.shape[0] // batch.waves
+            for j in range(batch.waves):  # a verify step's rows of one slot update its open groups in order
+                wave, rows = batch.wave(j), x[j * n: (j + 1) * n]
+                self.compressor.decode_update(rows, wave, cache.compressor, self.rope)
+                if self.kind == CSA:
+                    self.compressor.indexer.decode_update(rows, wave, cache.indexer, self.rope)
             entries, rate = cache.compressor.entries, self.compressor.rate
             if self.kind == CSA:
-                indexer = self.compressor.indexer
-                indexer.decode_update(x, batch, cache.indexer, self.rope)
-                ids = indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
+                ids = self.compressor.indexer.decode_select(x, q_residual, batch, cache.indexer, cos, sin)
         out = attend_decode(q, batch, cache.window, self.window, entries, ids, rate, self.sinks, self.head_dim**-0.5)
         return self._output(out, cos, sin)
 

@@ -88,12 +88,26 @@ class ForwardBatch:
 class DecodeBatch:
     """A step where every sequence adds exactly one token, as tensors only: the forward over it has
     shapes fixed by (sequences, block-table width), never reads a value on the host, and so can be
-    captured once in a CUDA graph and replayed with new contents in the same buffers."""
+    captured once in a CUDA graph and replayed with new contents in the same buffers.
+
+    `waves` > 1: a verify step (speculative decoding), each sequence adding `waves` consecutive tokens
+    (its last one and its drafts) with shapes still fixed. The rows are wave-major: wave j holds every
+    sequence's j-th token (rows [j * n, (j + 1) * n), n = rows / waves), so a slot appears once a wave
+    and the rows of one slot are in position order. What reads state an earlier row of its slot writes
+    in the same step (the compressors' and indexer's open groups) runs wave by wave (`wave`); the rest
+    (projections, experts, the window ring's append, attention masked by position) runs on all rows."""
 
     token_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64, the new token's position == tokens its slot already holds
-    slots: torch.Tensor  # [B] int64 cache slots (distinct)
+    slots: torch.Tensor  # [B] int64 cache slots (distinct within a wave)
     block_tables: torch.Tensor  # [B, P] int64 pages of each sequence; entries past its length: any page
+    waves: int = 1
+
+    def wave(self, j: int) -> "DecodeBatch":
+        """Wave j's rows as a one-wave batch (views)."""
+        n = self.token_ids.shape[0] // self.waves
+        rows = slice(j * n, (j + 1) * n)
+        return DecodeBatch(self.token_ids[rows], self.positions[rows], self.slots[rows], self.block_tables[rows])
 
     @classmethod
     def build(cls, rows: list[tuple[int, int, int, list[int]]], width: int | None = None,

@@ -644,6 +644,15 @@ def test_mxfp4_gate_up_last_share_sums_are_the_sum_kernels_bits():
     assert not bool(tile_counters(x.device, 1).any())
 
 
+def test_verify_batch_on_the_decode_path_is_the_chunk_of_its_tokens():
+    """Issue 27's verify step as a decode batch of waves (tests/test_verify_decode.py) through the GPU
+    kernels: the Triton pooler and indexer updates run wave by wave, the in-place attention reads
+    repeated slots masked by position."""
+    from tests.test_verify_decode import check_verify_batch
+
+    check_verify_batch("cuda", dict(rtol=2e-3, atol=2e-3))
+
+
 def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_engram_gather
 

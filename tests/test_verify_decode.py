@@ -1,0 +1,79 @@
+"""A verify step on the decode path (issue 27 item 4's model side): a DecodeBatch of `waves` rows per
+sequence (its last token and its drafts, wave-major) gives the logits of the same tokens computed as a
+chunk, and leaves the cache where a chunk leaves it, on V4's tiny model (window 16, CSA rate 4 with its
+indexer, HCA rate 16): rounds cross ring wraps and close CSA and HCA groups at every wave, two sequences
+at different positions share each wave, and a sequence with fewer drafts pads its missing waves with
+rows in a scratch slot and page that no sequence reads. Shapes depend only on (sequences, waves, table
+width), as a CUDA graph needs; the chunk and decode paths differ in the order of float sums, hence the
+tolerance."""
+
+from __future__ import annotations
+
+import torch
+
+from models import DecodeBatch, ForwardBatch, ModelCache, ModelConfig
+from models.random_model import build_random_model
+from models.tiny import tiny_config_dict
+from tests.conftest import random_tokens
+
+DRAFTS = 3
+WIDTH = 12  # block-table width of every row (pages of 16 tokens: 192 tokens)
+SCRATCH = 2  # the scratch slot; its page is the last one
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def verify_rows(sequences: list[tuple[int, list[int], int]], cache: ModelCache, device: str) -> DecodeBatch:
+    """sequences: (slot, forwarded tokens, first position); wave-major rows, short ones padded."""
+    waves = DRAFTS + 1
+    scratch_pages = [cache.num_pages - 1] * WIDTH
+    rows = []
+    for j in range(waves):
+        for slot, tokens, position in sequences:
+            if j < len(tokens):
+                rows.append((slot, tokens[j], position + j, cache.default_pages(slot).tolist()[:WIDTH]))
+            else:
+                rows.append((SCRATCH, 0, j, scratch_pages))
+    built = DecodeBatch.build(rows, width=WIDTH, device=device)
+    return DecodeBatch(built.token_ids, built.positions, built.slots, built.block_tables, waves=waves)
+
+
+def test_a_verify_batch_is_the_chunk_of_its_tokens():
+    """On the CPU the poolers' torch reference appends every row before pooling any; the GPU test runs
+    the same check through the Triton pooler, whose programs would race without the waves."""
+    check_verify_batch("cpu", TOLERANCE)
+
+
+def check_verify_batch(device: str, tolerance: dict) -> None:
+    model = build_random_model(ModelConfig.from_dict(tiny_config_dict()), torch.float32, device, seed=0)
+    chunked = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
+    waved = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
+    prompts = [random_tokens(37, seed=2), random_tokens(21, seed=3)]
+    for cache in (chunked, waved):
+        model(ForwardBatch.build([(slot, prompt, 0) for slot, prompt in enumerate(prompts)]), cache)
+    positions = [len(p) for p in prompts]
+    last = [5, 9]
+    generator = torch.Generator().manual_seed(4)
+    for round_ in range(20):
+        drafts = [random_tokens(DRAFTS, seed=100 + round_), random_tokens(DRAFTS - round_ % 3, seed=200 + round_)]
+        forwarded = [[last[s], *drafts[s]] for s in range(2)]
+        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked)
+        got = model.decode(verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device), waved)
+        waves = DRAFTS + 1
+        for s in range(2):
+            rows = [j * 2 + s for j in range(len(forwarded[s]))]  # wave-major
+            start = 0 if s == 0 else len(forwarded[0])
+            torch.testing.assert_close(got[rows], want[start: start + len(forwarded[s])], **tolerance,
+                                       msg=f"round {round_}, sequence {s}")
+        assert got.shape[0] == 2 * waves
+        for s in range(2):  # accept some drafts; the next round starts after them
+            accepted = int(torch.randint(0, len(drafts[s]) + 1, (), generator=generator))
+            positions[s] += accepted + 1
+            last[s] = int(random_tokens(1, seed=500 + 7 * round_ + s)[0])
+    assert min(positions) > 21 + 2 * 16  # past two HCA windows
+    for step in range(6):  # plain decode steps after: both caches hold the same state
+        rows = [(s, last[s], positions[s], chunked.default_pages(s).tolist()[:WIDTH]) for s in range(2)]
+        batch = DecodeBatch.build(rows, width=WIDTH, device=device)
+        torch.testing.assert_close(model.decode(batch, waved), model.decode(batch, chunked), **tolerance,
+                                   msg=f"decode step {step}")
+        positions = [p + 1 for p in positions]
+        last = [int(t) for t in random_tokens(2, seed=900 + step)]
