@@ -36,6 +36,7 @@ SLOT_SHARE = 0.25
 
 
 def model_bytes(model: torch.nn.Module) -> int:
+    """Parameters, buffers and the Engram memory's tables, row caches and the caches' device indexes."""
     tensors = list(model.parameters()) + list(model.buffers())
     memory = model.engram_memory
     engram = memory.resident_bytes() if memory is not None else 0

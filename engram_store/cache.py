@@ -15,6 +15,13 @@ construction. A host cache serving a GPU keeps its rows in pinned, mapped memory
 (kernels/host_memory.py): the I/O thread writes them with memory copies, the model's step gathers
 the hits on the GPU straight from it (`view`), so a hit costs no host gather, staging or transfer.
 Callers serialise access (DiskLayer's lock).
+
+A warm step on the device (store.py's DiskTier) never touches the host's bookkeeping: it looks its rows
+up in `device_index` and counts its hits in device tensors (`count_hits_on_device`: a capped credit
+per slot and a distinct-hit total); the host folds them into the CLOCK's credits and `hits` before
+it next claims slots (`fold_hits`, under the lock, after the step's gathers finished), so the policy
+sees the same credits it would have seen counted one step at a time. Device writes of the index and
+the counters are ordered before later lookups by `changed`, an event the lookups' stream waits for.
 """
 
 from __future__ import annotations
@@ -49,7 +56,15 @@ class RowCache:
         self.row_of_slot = np.full(self.capacity, FREE, dtype=np.int64)
         self.credit = np.zeros(self.capacity, dtype=np.uint8)
         self.hand = 0
-        self.hits = self.misses = 0
+        self._hits = self.misses = 0
+        self.device_credit = torch.zeros(self.capacity, dtype=torch.uint8, device=self.view.device)  # unfolded
+        self.device_hits = torch.zeros((), dtype=torch.int64, device=self.view.device)  # unfolded distinct hits
+        self.changed: torch.cuda.Event | None = None  # the last device write of the index or the counters
+
+    @property
+    def hits(self) -> int:
+        """Distinct rows hit, per lookup or step, since construction (folded or not)."""
+        return self._hits + int(self.device_hits)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -57,10 +72,12 @@ class RowCache:
     def clear(self) -> None:
         """Forgets every row (the storage keeps its bytes, unreachable)."""
         self.index.clear()
+        self.fold_hits()
         self.device_index.clear()
         self.row_of_slot.fill(FREE)
         self.credit.fill(0)
         self.hand = 0
+        self._changed()
 
     def slots_of(self, rows: np.ndarray) -> np.ndarray:
         """Slot of each row, FREE where the row is not cached; no credit, no counting."""
@@ -76,14 +93,48 @@ class RowCache:
 
     def credit_hits(self, slots: np.ndarray) -> None:
         """Counts a hit on each distinct slot of `slots` (repeats allowed) and gives it one credit."""
-        self.hits += len(set(slots.tolist()))
+        self._hits += len(set(slots.tolist()))
         self.credit[slots] = np.minimum(self.credit[slots] + 1, MAX_CREDIT)
 
     def device_slots_of(self, rows: torch.Tensor) -> torch.Tensor:
         """`slots_of` for row ids on the device the steps read from (`view`'s): looked up there in the
         device index, by torch ops whose count does not depend on how many rows (FREE where not cached).
         No credit and no counting: a warm step's lookup stays off the host."""
+        if self.changed is not None:
+            torch.cuda.current_stream(self.view.device).wait_event(self.changed)
         return self.device_index.lookup(rows)
+
+    def count_hits_on_device(self, slots: torch.Tensor) -> None:
+        """`credit_hits` for cached `slots` (a device tensor, any shape, repeats allowed) without a host
+        read: each distinct slot gains a credit (capped: credits cap at MAX_CREDIT anyway) and the
+        distinct count adds to `device_hits`, a fixed number of ops whatever the slots. Folded by
+        `fold_hits`."""
+        flat = slots.reshape(-1)
+        if flat.numel() == 0:
+            return
+        self.device_credit[flat] = torch.clamp(self.device_credit[flat] + 1, max=MAX_CREDIT)
+        ordered = flat.sort().values
+        self.device_hits += 1 + (ordered[1:] != ordered[:-1]).sum()
+
+    def fold_hits(self) -> int:
+        """Moves the device's hit counts into the CLOCK's credits and `hits` (one scalar read, the
+        credits only if some hit); returns the distinct hits folded. The caller makes sure the steps
+        that counted them have finished (DiskLayer waits for their gathers first)."""
+        folded = int(self.device_hits)
+        if folded:
+            pending = self.device_credit.cpu().numpy()
+            np.minimum(self.credit + pending, MAX_CREDIT, out=self.credit)  # credit + pending <= 2 * MAX_CREDIT
+            self.device_credit.zero_()
+            self.device_hits.zero_()
+            self._hits += folded
+            self._changed()
+        return folded
+
+    def _changed(self) -> None:
+        """After the device index or counters were written: lookups queued later wait for the writes."""
+        if self.view.is_cuda:
+            self.changed = torch.cuda.Event()
+            self.changed.record(torch.cuda.current_stream(self.view.device))
 
     def absent(self, rows: np.ndarray) -> np.ndarray:
         """Mask of the rows not cached; no credit and no hit counting (prefetch hints use it)."""
@@ -97,6 +148,7 @@ class RowCache:
             rows, data = rows[fresh], data[torch.from_numpy(fresh)]
         if self.capacity == 0 or len(rows) == 0:
             return
+        self.fold_hits()  # the credits the clock reads include the device's hits, on the slots that earned them
         if len(rows) > self.capacity:
             rows, data = rows[-self.capacity :], data[-self.capacity :]
         slots = self._claim(len(rows))
@@ -109,6 +161,7 @@ class RowCache:
         self.credit[slots] = 0
         target = torch.from_numpy(slots)
         self.storage[target.to(self.storage.device)] = data.to(self.storage.device)
+        self._changed()
 
     def check_integrity(self) -> None:
         """The row -> slot index and each slot's owner agree both ways (a lookup can never return
@@ -119,6 +172,7 @@ class RowCache:
         assert ((0 <= slots) & (slots < self.capacity)).all(), "an index entry points outside the cache"
         assert np.array_equal(self.row_of_slot[slots], rows), "an index entry points at a slot another row holds"
         assert (self.credit <= MAX_CREDIT).all(), "a slot holds more credit than MAX_CREDIT"
+        assert self.capacity == 0 or int(self.device_credit.max()) <= MAX_CREDIT, "an unfolded credit past MAX_CREDIT"
         assert self.capacity == 0 or 0 <= self.hand < self.capacity, "the clock hand is off the slots"
         self.device_index.check_integrity(self.index)
 

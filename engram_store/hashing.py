@@ -198,6 +198,11 @@ class NgramHasher:
         """The carried contexts [N, N-1] (oldest first) after one more token each."""
         return np.concatenate([contexts, self.lookup[token_ids][:, None]], axis=1)[:, 1:]
 
+    def advance_tensor(self, contexts: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """`advance` as torch ops on the tensors' device."""
+        lookup = self._tensors(token_ids.device)[0]
+        return torch.cat([contexts, lookup[token_ids][:, None].to(contexts.dtype)], dim=1)[:, 1:]
+
     def _hash(self, tokens: np.ndarray) -> np.ndarray:
         """[T, N] compressed look-back (k = 0 current, blocking applied) -> [T, L, cols] row ids."""
         n_heads = self.layout.n_heads

@@ -44,6 +44,11 @@ class DeviceSlotIndex:
         self.device_keys = torch.full((self.size,), EMPTY, dtype=torch.int64, device=self.device)
         self.device_slots = torch.full((self.size,), -1, dtype=torch.int64, device=self.device)
 
+    @property
+    def device_bytes(self) -> int:
+        """Memory the device tensors hold: 16 bytes an entry, 2 to 4 entries a cached row."""
+        return sum(t.numel() * t.element_size() for t in (self.device_keys, self.device_slots))
+
     def clear(self) -> None:
         """Forgets every row (the table keeps its size)."""
         self.keys.fill(EMPTY)

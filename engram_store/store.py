@@ -27,6 +27,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -167,30 +168,43 @@ class DiskLayer:
             self._gathered()
         return raw, missing
 
-    def gather_hits(self, ids: np.ndarray, stats: StoreStats) -> torch.Tensor | None:
-        """float32 rows [len(ids), row_dim] when one cache holds every row of `ids` (a warm step): their
-        slots gathered and decoded on the compute device by one kernel straight from the cache's
-        storage, queued under the lock so no eviction overtakes it. None otherwise (or when the scales
-        are kept apart, or the table is not fp8 with E8M0 scales): the general path runs."""
+    @property
+    def gathers_warm(self) -> bool:
+        """Whether a step's rows can be gathered and decoded by the one kernel straight from a cache's
+        storage: fp8 values with E8M0 scales beside them in the row."""
         h = self.header
-        if self.resident_scales is not None or h.value_dtype != "float8_e4m3fn" or h.scale_dtype != "e8m0":
-            return None
-        with self.lock:
-            for cache, counter in ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache")):
-                if cache is None:
-                    continue
-                slots = cache.slots_of(ids)  # repeated rows are looked up again: cheaper than deduping
-                if (slots == FREE).any():
-                    continue
-                hits_before = cache.hits
-                cache.credit_hits(slots)
-                slot_ids = torch.from_numpy(slots).to(cache.view.device)
-                values = cache.view[:, : h.value_bytes].view(torch.float8_e4m3fn)
-                rows = gather_engram_rows(values, cache.view[:, h.value_bytes :], slot_ids).to(self.device)
-                stats.add(**{counter: cache.hits - hits_before})
-                self._gathered()
-                return rows
-        return None
+        return self.resident_scales is None and h.value_dtype == "float8_e4m3fn" and h.scale_dtype == "e8m0"
+
+    def caches(self) -> list[tuple[RowCache, str]]:
+        """The caches a step tries, fastest first, with the counter their hits count in."""
+        pairs = ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache"))
+        return [(cache, counter) for cache, counter in pairs if cache is not None]
+
+    def device_slots(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Each cache's slots of `ids` (FREE where it lacks the row), looked up in its device index by a
+        fixed number of ops; under the lock, like the gather that follows."""
+        return [cache.device_slots_of(ids.to(cache.view.device, non_blocking=True)) for cache, _ in self.caches()]
+
+    def gather_slots(self, which: int, slots: torch.Tensor) -> torch.Tensor:
+        """float32 rows [slots.numel(), row_dim] on the compute device: the `which`-th cache's `slots`
+        (all held) gathered and decoded by one kernel from its storage (mapped host memory for the host
+        cache), their hits counted on the device. Queued under the lock, with the event the I/O
+        thread waits for before it overwrites a slot."""
+        h = self.header
+        cache, _ = self.caches()[which]
+        values = cache.view[:, : h.value_bytes].view(torch.float8_e4m3fn)
+        rows = gather_engram_rows(values, cache.view[:, h.value_bytes :], slots.reshape(-1)).to(self.device)
+        cache.count_hits_on_device(slots)
+        self._gathered()
+        return rows
+
+    def fold_hits(self, stats: StoreStats) -> None:
+        """Adds the caches' device-counted hits to their credits and to `stats`, once the steps that
+        counted them are done (the caller holds the lock)."""
+        if self.reads_done is not None:
+            self.reads_done.synchronize()
+        for cache, counter in self.caches():
+            stats.add(**{counter: cache.fold_hits()})
 
     def _gathered(self) -> None:
         """After this step's gathers from the caches are queued: on a GPU, an event the I/O thread
@@ -232,8 +246,7 @@ class DiskLayer:
         stats.add(rows_disk=int(loaded.sum()))
         if loaded.any():
             with self.lock:
-                if self.reads_done is not None:
-                    self.reads_done.synchronize()  # no slot a queued gather still reads is overwritten
+                self.fold_hits(stats)  # also waits for the queued gathers: no slot one still reads is overwritten
                 good = torch.from_numpy(loaded)
                 self.host_cache.insert(rows[loaded], raw[good])
                 if self.device_cache is not None:
@@ -283,6 +296,10 @@ class EngramTier(Protocol):
     def resident_bytes(self) -> int:
         ...
 
+    def count_hits(self) -> None:
+        """Brings `stats` up to date with hits counted on the device (read before the counters)."""
+        ...
+
     def check_integrity(self) -> None:
         ...
 
@@ -315,6 +332,9 @@ class ResidentTier:
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.values, layer.scales))
 
+    def count_hits(self) -> None:
+        """Counted as served."""
+
     def check_integrity(self) -> None:
         for layer in self.layers.values():
             layer.check_integrity()
@@ -325,10 +345,11 @@ class ResidentTier:
 
 @dataclass
 class DiskRead:
-    """A disk layer's part of a step whose rows were not all cached: its distinct rows, their bytes
-    (the cached ones so far), the mask of the missing ones and the job reading them (None once its
-    result is merged, or when nothing was missing), and why each unreadable row failed."""
+    """A disk layer's part of a step whose rows were not all cached: its row ids on the host, its distinct
+    rows, their bytes (the cached ones so far), the mask of the missing ones and the job reading them
+    (None once its result is merged, or when nothing was missing), and why each unreadable row failed."""
 
+    ids: np.ndarray
     unique: np.ndarray
     raw: torch.Tensor
     missing: np.ndarray
@@ -363,20 +384,19 @@ class DiskTier:
 
     # -- the model's side ------------------------------------------------------------------------
     def start(self, step: EngramStep) -> None:
-        """Per layer: the decoded rows already (every row cached, gathered in one op), or the distinct
-        rows with the cached ones' bytes; the misses of every layer queued as one read job."""
+        """Per layer: the decoded rows already (one cache holds every row: looked up and gathered on the
+        device, `_gather_warm`), or the distinct rows with the cached ones' bytes; the misses of every
+        layer queued as one read job."""
+        mine = {index: ids for index, ids in step.row_ids.items() if index in self.layers}
+        step.reads.update(self._gather_warm(mine))
         reads: dict[int, np.ndarray] = {}
-        for index, ids in step.row_ids.items():
-            layer = self.layers.get(index)
-            if layer is None:  # another tier's layer
+        for index, ids in mine.items():
+            if index in step.reads:
                 continue
-            ready = layer.gather_hits(ids.numpy().reshape(-1), self.stats)
-            if ready is not None:
-                step.reads[index] = ready
-                continue
-            unique = np.unique(ids.numpy())
-            raw, missing = layer.cached(unique, self.stats)
-            step.reads[index] = DiskRead(unique, raw, missing)
+            host_ids = ids.cpu().numpy()
+            unique = np.unique(host_ids)
+            raw, missing = self.layers[index].cached(unique, self.stats)
+            step.reads[index] = DiskRead(host_ids, unique, raw, missing)
             if missing.any():
                 reads[index] = unique[missing]
         if reads:
@@ -384,14 +404,36 @@ class DiskTier:
             for index in reads:
                 step.reads[index].job = job
 
+    def _gather_warm(self, row_ids: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The decoded rows [ids.numel(), row_dim] of each layer one of whose caches holds every row of
+        its `row_ids`: slots looked up in the caches' device indexes, rows gathered from the cache's
+        storage by one kernel, hits counted on the device. The host reads one miss count per layer
+        and cache (one small copy for the whole step) and never a row id, so a warm step's host work
+        does not grow with its rows. Layers with a miss are left to the host path."""
+        layers = {index: self.layers[index] for index in row_ids if self.layers[index].gathers_warm}
+        if not layers:
+            return {}
+        with ExitStack() as held:
+            for layer in layers.values():  # the I/O thread holds one layer's lock at a time: no deadlock
+                held.enter_context(layer.lock)
+            slots = {index: layer.device_slots(row_ids[index]) for index, layer in layers.items()}
+            counts = torch.stack([(s == FREE).sum() for per in slots.values() for s in per]).tolist()  # one read
+            ready = {}
+            for index, layer in layers.items():
+                misses, counts = counts[: len(slots[index])], counts[len(slots[index]) :]
+                if 0 in misses:
+                    which = misses.index(0)
+                    ready[index] = layer.gather_slots(which, slots[index][which])
+            return ready
+
     def rows(self, step: EngramStep, layer_index: int) -> torch.Tensor:
         """Waits for this layer's part of the step's read job only; unreadable rows are zeros and
         their tokens fail in `step`."""
-        ids = step.row_ids[layer_index].numpy()
         read = step.reads[layer_index]
         if isinstance(read, torch.Tensor):  # every row was cached: nothing to wait for
             self.stats.record_wait(0.0)
-            return read.view(*ids.shape, -1)
+            return read.view(*step.row_ids[layer_index].shape, -1)
+        ids = read.ids
         started = time.perf_counter()
         read.wait(layer_index)
         self.stats.record_wait(time.perf_counter() - started)
@@ -411,8 +453,16 @@ class DiskTier:
             step.fail(token, failed[next(int(r) for r in ids[token] if int(r) in failed)])
 
     def resident_bytes(self) -> int:
-        caches = [c for layer in self.layers.values() for c in (layer.host_cache, layer.device_cache) if c is not None]
-        return sum(c.storage.numel() * c.storage.element_size() for c in caches)
+        """The caches' storage and their device indexes (the index of a 10% host cache of a 4.6 GB
+        table: ~64 MB of device memory)."""
+        caches = [c for layer in self.layers.values() for c, _ in layer.caches()]
+        return sum(c.storage.numel() * c.storage.element_size() + c.device_index.device_bytes for c in caches)
+
+    def count_hits(self) -> None:
+        """Folds the hits warm steps counted on the device into the caches and the counters."""
+        for layer in self.layers.values():
+            with layer.lock:
+                layer.fold_hits(self.stats)
 
     def check_integrity(self) -> None:
         files = [layer.file_index for layer in self.layers.values()]
@@ -545,6 +595,8 @@ class EngramStore:
         return any(tier.reads_ahead for tier in self.tiers.values())
 
     def counters(self) -> EngramStats:
+        for tier in self.tiers.values():
+            tier.count_hits()
         return self.stats.snapshot()
 
     def resident_bytes(self) -> int:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from contract import EngramStats
-from engram_store.hashing import NgramHasher
+from engram_store.hashing import DEAD, NgramHasher
 from engram_store.rows import EngramStep, RowSource
 from models.batch import ForwardBatch
 from models.parallel import TensorParallel, mark_shards
@@ -180,9 +180,14 @@ class EngramMemory:
         context[slots] = torch.tensor(advanced, dtype=context.dtype).to(context.device)
         return torch.cat(per_chunk)
 
-    def step_row_ids(self, slots: list[int], token_ids: list[int], positions: list[int], context: torch.Tensor) -> torch.Tensor:
+    def step_row_ids(self, slots: list[int] | torch.Tensor, token_ids: list[int] | torch.Tensor,
+                     positions: list[int] | torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """`row_ids` for a decode step (one token per slot), hashed in one vectorised call: the same
-        [N, engram layers, columns] ids and the same advanced look-backs, without a per-sequence loop."""
+        [N, engram layers, columns] ids and the same advanced look-backs, without a per-sequence loop.
+        Given as int64 tensors on the context's device (a graph step's static inputs), they are hashed
+        there (`_step_row_ids_on_device`) and the ids stay there."""
+        if isinstance(token_ids, torch.Tensor):
+            return self._step_row_ids_on_device(slots, token_ids, positions, context)
         index = torch.tensor(slots, device=context.device)
         held = context[index].cpu().numpy()
         held[np.asarray(positions) == 0] = self.hasher.empty_context()  # a sequence at position 0 has no past
@@ -191,6 +196,18 @@ class EngramMemory:
         advanced = self.hasher.advance(held, tokens)
         context[index] = torch.from_numpy(advanced).to(device=context.device, dtype=context.dtype)
         return torch.from_numpy(row_ids)
+
+    def _step_row_ids_on_device(self, slots: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                                context: torch.Tensor) -> torch.Tensor:
+        """`step_row_ids` by torch ops on the device that holds the inputs: no host read and a fixed
+        number of ops whatever the batch. Hinted hashes are dropped, not matched (matching reads the
+        look-backs on the host; hashing again on the device costs less)."""
+        self._take_hinted()
+        held = context[slots]
+        held = torch.where(positions[:, None] == 0, torch.full_like(held, DEAD), held)  # position 0: no past
+        row_ids = self.hasher.next_row_ids_tensor(token_ids, held.to(torch.int64))
+        context[slots] = self.hasher.advance_tensor(held, token_ids)
+        return row_ids
 
     def start(self, row_ids: torch.Tensor) -> EngramStep:
         """Starts this rank's reads of a step's rows (whole-table ids [T, layers, columns]): disk tiers

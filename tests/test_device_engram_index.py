@@ -4,6 +4,9 @@ dict under insert / evict churn, with a lookup whose op count does not grow with
 
 from __future__ import annotations
 
+import sys
+import tracemalloc
+
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,6 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engram_store.cache import FREE, RowCache
 from engram_store.hashing import DEAD, EngramLayout, NgramHasher
 from engram_store.slot_index import MAX_PROBE, DeviceSlotIndex
+from engine.memory_plan import model_bytes
+from engram_store.store import EngramOptions
+from models import ModelCache, load_model
 
 
 def small_hasher(max_ngram: int = 3, vocab: int = 500) -> NgramHasher:
@@ -107,3 +113,65 @@ def test_a_warm_steps_hashing_and_lookup_queue_the_same_ops_for_1x_and_16x_rows(
     cache.insert(np.arange(5000, 5600), payload(np.arange(5000, 5600)))  # some churn first
     one, sixteen = warm_lookup_ops(hasher, cache, 4), warm_lookup_ops(hasher, cache, 64)
     assert one == sixteen, (one, sixteen)
+
+
+class HostWork:
+    """A step's host work, counted: Python-level calls (functions and C functions called from Python
+    code) and the peak bytes Python objects and numpy arrays take (tracemalloc). Torch's own tensors
+    stand in for device memory here (tracemalloc does not see them): a row id that reaches the host,
+    as a list, a numpy array or a loop, shows up in one count or the other."""
+
+    def __enter__(self) -> "HostWork":
+        self.calls = 0
+        tracemalloc.start()
+        sys.setprofile(self._count)
+        return self
+
+    def _count(self, frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+        self.peak_bytes = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def warm_decode_step_work(model, resident, batch: int) -> HostWork:
+    """Host work of a warm decode step's Engram fetch for `batch` sequences as the graph runner asks for
+    it (the static inputs' slot, token and position columns, on the device), every row in the host
+    cache; checks the rows against `resident`'s (the whole table in memory), bitwise."""
+    rng = np.random.default_rng(batch)
+    hasher = model.engram_memory.hasher
+    held = torch.from_numpy(hasher.lookup[rng.integers(0, len(hasher.lookup), size=(batch, hasher.context_len))])
+    slots, positions = torch.arange(batch), torch.full((batch,), 9)
+    tokens = torch.from_numpy(rng.integers(0, model.config.vocab_size, size=batch))
+    cache, reference = (ModelCache.allocate(model.config, batch, 64) for _ in range(2))
+    reference.engram_context.copy_(held)
+    expected = resident.engram_rows(slots.tolist(), tokens.tolist(), positions.tolist(), reference)
+    for run in range(3):  # cold (read from the file, then cached), warm, then counted
+        cache.engram_context.copy_(held)
+        with HostWork() as work:
+            rows = model.engram_rows(slots, tokens, positions, cache)
+        assert all(torch.equal(a, b) for a, b in zip(rows, expected)), run
+    assert torch.equal(cache.engram_context, reference.engram_context)
+    return work
+
+
+def test_a_warm_decode_steps_host_work_does_not_grow_with_its_engram_rows(checkpoints, tmp_path):
+    """The graph runner's Engram fetch of a warm step (disk tier, every row in the host cache): the same
+    Python-level calls and about the same host bytes for 16x the rows, and the resident table's rows.
+    On the host path both grew with the rows (numpy hashing, a dict lookup and a credit per row)."""
+    model = load_model(checkpoints["v41"], engram=EngramOptions(residency="disk", path=tmp_path / "t",
+                                                                host_cache_bytes=1 << 24))
+    resident = load_model(checkpoints["v41"], engram=EngramOptions(residency="gpu"))
+    one, sixteen = warm_decode_step_work(model, resident, 2), warm_decode_step_work(model, resident, 32)
+    print(f"warm step host work: 1x rows {one.calls} calls, {one.peak_bytes} B; "
+          f"16x rows {sixteen.calls} calls, {sixteen.peak_bytes} B")
+    assert sixteen.calls == one.calls, (one.calls, sixteen.calls)
+    assert sixteen.peak_bytes <= one.peak_bytes + 2048, (one.peak_bytes, sixteen.peak_bytes)
+    assert model.engram_memory.stats().rows_host_cache > 0  # the device-counted hits, folded
+    caches = [layer.host_cache for layer in model.engram_memory.source.tiers["disk"].layers.values()]
+    index_bytes = sum(cache.device_index.device_bytes for cache in caches)
+    assert index_bytes and model_bytes(model) >= index_bytes + sum(cache.storage.numel() for cache in caches)
+    model.engram_memory.check_integrity()

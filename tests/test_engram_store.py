@@ -44,8 +44,8 @@ def test_every_tier_gives_the_same_logits(checkpoints, tmp_path):
         cold = logits(model, prompts)
         warm = logits(model, prompts)
         assert torch.equal(cold, reference) and torch.equal(warm, reference), options
-    store = model.engram_memory.source
-    assert store.stats.current.rows_disk > 0 and store.stats.current.rows_host_cache > 0
+    counters = model.engram_memory.source.counters()  # warm steps' hits are counted on the device, folded here
+    assert counters.rows_disk > 0 and counters.rows_host_cache > 0
 
 
 def test_table_edges_and_duplicates_read_back_exactly(checkpoints, tmp_path):
@@ -218,10 +218,10 @@ def test_a_fully_cached_step_is_gathered_in_one_op_from_the_cache(checkpoints, t
         ids = torch.tensor([[0, rows - 1, 0, 5], [rows - 1, 3, 5, 0]])
         expected = read(memory.source, index, ids)
         assert torch.equal(read(store, index, ids), expected)  # cold: read from the file, then cached
-        reads, hits = reader.reads, store.stats.current.rows_host_cache
-        assert store.layers[index].gather_hits(ids.numpy().reshape(-1), store.stats) is not None
+        reads, hits = reader.reads, store.counters().rows_host_cache
+        assert isinstance(store.start({index: ids}).reads[index], torch.Tensor)  # gathered whole, no read queued
         assert torch.equal(read(store, index, ids), expected)
-        assert reader.reads == reads and store.stats.current.rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
+        assert reader.reads == reads and store.counters().rows_host_cache == hits + 2 * 4  # 4 distinct rows, twice
 
 
 
