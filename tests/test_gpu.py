@@ -653,6 +653,29 @@ def test_verify_batch_on_the_decode_path_is_the_chunk_of_its_tokens():
     check_verify_batch("cuda", dict(rtol=2e-3, atol=2e-3))
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_verify_graphs_emit_plain_greedys_tokens(method):
+    """A graphed runner with draft rows verifies on its verify graphs (1 + 3 rows a sequence, wave-major;
+    the MTP proposer reads the streams the graphs keep): greedy fed its proposed drafts emits the tokens
+    plain graphed greedy emits, with a chunked prompt (tests/test_proposers.py's loop), and the verify
+    graphs were replayed."""
+    from models.random_model import build_random_model
+    from tests.test_proposers import CONFIG, K, decode
+    from worker.proposers import build_proposer
+
+    model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
+    plain = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True)
+    want, _ = decode(plain, 24)
+    proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
+    runner = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True, draft_tokens=K,
+                         proposer=proposer)
+    assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
+    replays = runner.graphs.replays
+    got, accepted = decode(runner, 24)
+    assert [t.token_id for t in got] == [t.token_id for t in want]
+    assert runner.graphs.replays - replays == len(accepted)  # every decode and verify step replayed a graph
+
+
 def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_engram_gather
 

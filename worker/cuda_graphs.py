@@ -21,9 +21,17 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
   replay of the same graph.
 - V4.1's Engram rows depend only on the step's tokens, so they are fetched before the replay (host
   cache, disk reads the prefetch hints started a step earlier) into static per-layer buffers the
-  graph reads; the time the step waits for them is counted (`engram_wait_s`, reported by
+  graph reads. The fetch takes the static inputs' token, slot and position columns where they are
+  (the device; the last step's draws included): a warm step is hashed, looked up in the row caches'
+  device indexes and gathered there, the host reading one miss count per layer and cache (store.py's
+  DiskTier). The time the step waits for them is counted (`engram_wait_s`, reported by
   `bench.engram --cuda-graphs`). One graph per step, not split at the Engram layers: the rows are known before
   the first layer runs, so a split would only move the wait.
+- Verify steps (speculative decoding, `waves` > 1): each sequence's last token and its drafts as a
+  wave-major DecodeBatch of `waves` rows a sequence (models/batch.py); graphs of `waves` rows a
+  sequence are captured beside the one-row ones, and a sequence with fewer drafts pads its missing
+  waves with scratch rows. `keep_streams`: every graph also writes the rows' pre-head residual streams
+  into a static buffer (what the MTP proposer reads).
 After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
 and reserved bytes across a served decode run).
 """
@@ -73,21 +81,29 @@ class DecodeRow:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache: ModelCache, max_batch: int, max_pages: int, scratch_slot: int, scratch_page: int):
+    def __init__(self, model, cache: ModelCache, max_batch: int, max_pages: int, scratch_slot: int, scratch_page: int,
+                 waves: int = 1, keep_streams: bool = False):
         """`max_pages`: the widest block table (pages of max_model_len); `scratch_slot` /
-        `scratch_page`: cache rows no request owns, written by padding rows."""
+        `scratch_page`: cache rows no request owns, written by padding rows. `waves` > 1: verify graphs
+        of that many rows a sequence too (1 + the most drafts); `keep_streams`: the graphs write the
+        rows' pre-head streams into `streams`."""
         self.model, self.cache = model, cache
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         self.sizes = batch_buckets(max_batch)
         self.widths = width_buckets(max_pages, cache.block_tokens)
+        self.waves = sorted({1, waves})
         device = model.lm_head.weight.device
-        self.inputs = torch.zeros(max_batch, PAGES + max_pages, dtype=torch.long, device=device)
+        rows = max_batch * self.waves[-1]
+        self.inputs = torch.zeros(rows, PAGES + max_pages, dtype=torch.long, device=device)
+        config = model.config
+        self.streams = (torch.zeros(rows, config.hc_mult, config.hidden_size, dtype=model.lm_head.weight.dtype,
+                                    device=device) if keep_streams else None)
         # pinned copies, taking turns; each written through numpy (the same memory, without torch's per-op cost)
         self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.staging = self.stagings[0]
         self.host = self.staging.numpy()
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (size, width, waves)
+        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.pool_bytes = 0
         self.replays = 0
         self.engram_wait_s = 0.0  # time steps spent fetching Engram rows before their replay
@@ -102,17 +118,19 @@ class DecodeGraphs:
             return []
         return [torch.zeros(max_batch, spec.n_columns, spec.head_dim, device=device) for _ in spec.layer_ids]
 
-    def decode_eagerly(self, size: int, width: int) -> torch.Tensor:
-        """What the (size, width) graph runs, run eagerly on the static inputs (warm-up, capture, tests)."""
-        batch = self.static_batch(size, width)
+    def decode_eagerly(self, size: int, width: int, waves: int = 1) -> torch.Tensor:
+        """What the (size, width, waves) graph runs, run eagerly on the static inputs (warm-up, capture, tests)."""
+        batch = self.static_batch(size, width, waves)
         if self.engram_rows:
             return self.model.decode(batch, self.cache, [rows[:size] for rows in self.engram_rows])
+        if self.streams is not None:
+            return self.model.decode(batch, self.cache, streams_out=self.streams[: size * waves])
         return self.model.decode(batch, self.cache)
 
-    def static_batch(self, size: int, width: int) -> DecodeBatch:
+    def static_batch(self, size: int, width: int, waves: int = 1) -> DecodeBatch:
         """The bucket's batch: views of the static input buffer the graph reads."""
-        rows = self.inputs[:size]
-        return DecodeBatch(rows[:, TOKEN], rows[:, POSITION], rows[:, SLOT], rows[:, PAGES : PAGES + width])
+        rows = self.inputs[: size * waves]
+        return DecodeBatch(rows[:, TOKEN], rows[:, POSITION], rows[:, SLOT], rows[:, PAGES : PAGES + width], waves)
 
     def _fill_padding(self, first: int, size: int) -> None:
         pad = self.host[first:size]
@@ -126,25 +144,25 @@ class DecodeGraphs:
         """Warms every bucket up eagerly on a side stream, then captures them largest first."""
         self._fill_padding(0, self.inputs.shape[0])
         self.inputs.copy_(self.staging)
-        keys = [(size, width) for width in self.widths for size in self.sizes]
+        keys = [(size, width, waves) for waves in self.waves for width in self.widths for size in self.sizes]
         reserved = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for size, width in keys:
-                self.decode_eagerly(size, width)
+            for key in keys:
+                self.decode_eagerly(*key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
-        for size, width in sorted(keys, reverse=True):
+        for key in sorted(keys, key=lambda k: (k[0] * k[2], k[1]), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size, width] = self.decode_eagerly(size, width)
-            self.graphs[size, width] = graph
+                self.outputs[key] = self.decode_eagerly(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
-        log.info("captured %d decode graphs (batch %s x table width %s pages), %.1f MiB",
-                 len(self.graphs), self.sizes, self.widths, self.pool_bytes / 2**20)
+        log.info("captured %d decode graphs (batch %s x table width %s pages x waves %s), %.1f MiB",
+                 len(self.graphs), self.sizes, self.widths, self.waves, self.pool_bytes / 2**20)
 
     def fits(self, batch: int, widest_table: int) -> bool:
         """Whether one captured bucket holds `batch` rows whose longest block table has `widest_table` pages."""
@@ -158,29 +176,44 @@ class DecodeGraphs:
     def run(self, rows: list[DecodeRow], last_draws: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [len(rows), vocab] of one decode step (a view of the graph's output);
         `last_draws`: the tokens of the last step's draws, which rows with a `draw_row` take."""
-        n = len(rows)
-        size, width = self.bucket(rows)
+        return self.run_waves([rows], last_draws)[: len(rows)]
+
+    def run_waves(self, waves: list[list[DecodeRow | None]], last_draws: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of len(waves) rows a sequence (a verify step; one wave: a decode step): waves[j][i]
+        is sequence i's j-th row (None: a padding row). float32 logits [size x waves, vocab], wave-major
+        with the bucket's `size` rows a wave (`bucket`), a view of the graph's output; `streams`
+        holds the same rows' streams when kept."""
+        first = waves[0]
+        n, count = len(first), len(waves)
+        size, width = self.bucket(first)
         self.staging = self.stagings[self.replays % 2]
         self.host = host = self.staging.numpy()
-        for i, row in enumerate(rows):
-            host[i, TOKEN], host[i, POSITION], host[i, SLOT] = row.token_id, row.position, row.slot
-            host[i, DRAW_ROW] = row.draw_row
-            host[i, PAGES : PAGES + len(row.pages)] = row.pages
-            host[i, PAGES + len(row.pages) : PAGES + width] = row.pages[-1]
-        self._fill_padding(n, size)
+        for j, wave in enumerate(waves):
+            for i, row in enumerate(wave):
+                at = j * size + i
+                if row is None:
+                    self._fill_padding(at, at + 1)
+                    continue
+                host[at, TOKEN], host[at, POSITION], host[at, SLOT] = row.token_id, row.position, row.slot
+                host[at, DRAW_ROW] = row.draw_row
+                host[at, PAGES : PAGES + len(row.pages)] = row.pages
+                host[at, PAGES + len(row.pages) : PAGES + width] = row.pages[-1]
+            self._fill_padding(j * size + n, (j + 1) * size)
+        total = size * count
         # one transfer; these pinned rows are not written again before the next step landed
-        self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
-        if last_draws is not None and any(row.draw_row >= 0 for row in rows):
+        self.inputs[:total].copy_(self.staging[:total], non_blocking=True)
+        if last_draws is not None and any(row.draw_row >= 0 for row in first):  # a decode step's inputs only
             draw_rows = self.inputs[:n, DRAW_ROW]
             taken = last_draws[draw_rows.clamp(0, last_draws.shape[0] - 1)]
             self.inputs[:n, TOKEN] = torch.where(draw_rows >= 0, taken, self.inputs[:n, TOKEN])
         if self.engram_rows:
+            assert count == 1, "V4.1 verifies no drafts (its cache refuses draft rows)"
             began = time.perf_counter()
-            fetched = self.model.engram_rows([r.slot for r in rows], [r.token_id for r in rows],
-                                             [r.position for r in rows], self.cache)
+            inputs = self.inputs[:n]
+            fetched = self.model.engram_rows(inputs[:, SLOT], inputs[:, TOKEN], inputs[:, POSITION], self.cache)
             for buffer, layer_rows in zip(self.engram_rows, fetched):
                 buffer[:n].copy_(layer_rows)
             self.engram_wait_s += time.perf_counter() - began
-        self.graphs[size, width].replay()
+        self.graphs[size, width, count].replay()
         self.replays += 1
-        return self.outputs[size, width][:n]
+        return self.outputs[size, width, count]

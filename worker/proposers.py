@@ -1,8 +1,8 @@
 """Draft proposers for speculative decoding (issue 27): what suggests the tokens a verify step checks.
 
 After each step the runner tells its proposer what the step computed (`ComputedChunk`: a chunk, how
-many of its forwarded tokens stand, the token drawn after them, its rows of the step's residual
-streams) and gets back up to K drafts per sampling request, which it reports as ChunkResult.proposed;
+many of its forwarded tokens stand, the token drawn after them, the target's residual streams at its
+rows) and gets back up to K drafts per sampling request, which it reports as ChunkResult.proposed;
 the scheduler may send them back as that request's next drafts. Verification (worker/runner.py) makes
 any draft safe: a proposer changes how many tokens a step yields, never which.
 
@@ -35,13 +35,13 @@ PROPOSER_METHODS = ("mtp", "ngram")
 class ComputedChunk:
     """One chunk as its step left it: `kept` leading forwarded tokens stand (all of a prompt chunk's; a
     verify chunk's own token and its accepted drafts), `next_token` was drawn after them (None: the
-    chunk does not sample), `rows` are its forwarded tokens' rows in the step's streams (None: no
-    streams were kept for it)."""
+    chunk does not sample), `streams` are the target's pre-head residual streams at its forwarded
+    tokens [len(forwarded), hc_mult, hidden] (None: not kept)."""
 
     chunk: ScheduledChunk
     kept: int
     next_token: int | None
-    rows: slice | None = None
+    streams: torch.Tensor | None = None
 
     @property
     def forwarded(self) -> tuple[int, ...]:
@@ -51,10 +51,10 @@ class ComputedChunk:
 class DraftProposer(Protocol):
     """Proposes each sampling request's next drafts from what a step computed."""
 
-    # the proposer reads the target's pre-head residual streams (the runner keeps them: eager steps only)
+    # the proposer reads the target's pre-head residual streams (the runner keeps them then)
     needs_streams: bool
 
-    def propose(self, computed: list[ComputedChunk], streams: torch.Tensor | None) -> dict[str, tuple[int, ...]]:
+    def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         """request id -> its drafts (at most the proposer's K), for the chunks that sampled."""
         ...
 
@@ -72,7 +72,7 @@ class NgramProposer:
         # per slot: the position of its first known token, and the tokens from there on
         self.history: list[tuple[int, list[int]]] = [(0, []) for _ in range(num_slots)]
 
-    def propose(self, computed: list[ComputedChunk], streams: torch.Tensor | None) -> dict[str, tuple[int, ...]]:
+    def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         drafts = {}
         for item in computed:
             chunk = item.chunk
@@ -118,14 +118,13 @@ class MTPProposer:
         self._waiting_streams = torch.zeros(num_slots, config.hc_mult, config.hidden_size, dtype=dtype, device=device)
         self._waiting_position: list[int | None] = [None] * num_slots
 
-    def propose(self, computed: list[ComputedChunk], streams: torch.Tensor | None) -> dict[str, tuple[int, ...]]:
-        assert streams is not None, "the MTP proposer reads the step's streams"
+    def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         sequences, inputs, sampling = [], [], []
         for item in computed:
-            if item.rows is None:
+            if item.streams is None:  # nothing forwarded (a whole prompt cached)
                 continue
             chunk, slot = item.chunk, item.chunk.slot
-            rows = streams[item.rows][: item.kept]
+            rows = item.streams[: item.kept]
             following = list(item.forwarded[1: item.kept]) + ([item.next_token] if item.next_token is not None else [])
             position = chunk.position
             if self._waiting_position[slot] == position - 1:  # the waiting row's next token is this chunk's first

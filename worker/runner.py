@@ -30,9 +30,9 @@ nothing: a forward moves each slot's fixed state (window rings, compressor group
 computes, and a cache allocated with `draft_tokens` (ModelCache.allocate) gives those rings that many
 spare rows, so the slot simply resumes at the accepted position (tests/test_draft_rollback.py; V4 only:
 V4.1's shared-store groups and Engram look-back are next). With a `proposer` (worker/proposers.py) the
-runner then asks it for each sampling request's next drafts, reported as ChunkResult.proposed. A
-proposer that reads the target's residual streams (MTP) runs every step eagerly: the decode graphs do
-not hand their streams out yet.
+runner then asks it for each sampling request's next drafts, reported as ChunkResult.proposed. With
+graphs, verify chunks replay verify graphs (worker/cuda_graphs.py: 1 + draft_tokens rows a sequence,
+wave-major, a step's plain decodes padded alongside), which also keep the streams an MTP proposer reads.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ class StepContext:
     computed: list[ScheduledChunk]  # chunks with tokens to forward (the others resume a cached state point)
     logit_rows: list[list[int]]  # per computed chunk: its rows whose logits are wanted
     graph_chunks: tuple[int, ...] = ()  # indices into `computed` of the chunks the decode graph runs, in row order
-    graph_rows: list[DecodeRow] | None = None  # those chunks as decode rows (None: no graph runs this step)
+    # those chunks as the graph's rows, wave by wave (one wave: a decode step; more: a verify step whose
+    # sequences have their j-th forwarded token in wave j, None where one has fewer); None: no graph runs
+    graph_rows: list[list[DecodeRow | None]] | None = None
     eager_chunks: tuple[int, ...] = ()  # indices into `computed` of the chunks the eager forward runs, in batch order
     batch: ForwardBatch | None = None  # their flat batch (None: no eager forward this step)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its wanted rows' logits
@@ -97,7 +99,8 @@ class StepContext:
     draws: Draws | None = None
     sampled: dict[str, TokenLogprob] = field(default_factory=dict)
     accepted: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # a drafting chunk's passed drafts
-    streams: torch.Tensor | None = None  # the eager forward's pre-head residual streams (for the proposer)
+    # the pre-head residual streams of each chunk's forwarded rows (for a proposer that reads them)
+    streams: dict[str, torch.Tensor] = field(default_factory=dict)
     proposed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the proposer's next drafts
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
@@ -171,7 +174,7 @@ class ModelRunner:
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
-                  and not deterministic and tp.world_size == 1 and not (proposer is not None and proposer.needs_streams))
+                  and not deterministic and tp.world_size == 1)
         scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
@@ -186,7 +189,8 @@ class ModelRunner:
             scratch_slot = num_slots + snapshot_slots
             scratch_page = num_pages if num_pages is not None else int(self.cache.default_pages(scratch_slot)[0])
             max_pages = -(-max_model_len // self.cache.block_tokens)
-            self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page)
+            self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page,
+                                       waves=1 + draft_tokens, keep_streams=self._keeps_streams)
             self.graphs.capture()
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
@@ -305,10 +309,23 @@ class ModelRunner:
                              f"(host tier {'on' if self.host_tier else 'off'}, disk tier {'on' if self.disk_tier else 'off'})")
         return moves
 
-    def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[DecodeRow]:
-        """One-token chunks as the decode graph's rows; a PENDING_TOKEN input names its row of the last
-        step's draws, which the graph gathers on the device."""
-        return [DecodeRow(c.slot, max(c.token_ids[0], 0), c.position, c.pages, self._draw_row(c)) for c in chunks]
+    @property
+    def _keeps_streams(self) -> bool:
+        return self.proposer is not None and self.proposer.needs_streams
+
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[list[DecodeRow | None]]:
+        """One-token chunks (and their drafts) as the decode graph's rows, wave by wave: one wave
+        without drafts, else the verify graphs' 1 + draft_tokens. A PENDING_TOKEN input names its row
+        of the last step's draws, which the graph gathers on the device."""
+        assert self.graphs is not None
+        waves = self.graphs.waves[-1] if any(c.draft_token_ids for c in chunks) else 1
+        rows: list[list[DecodeRow | None]] = [[] for _ in range(waves)]
+        for c in chunks:
+            forwarded = _forwarded(c)
+            rows[0].append(DecodeRow(c.slot, max(c.token_ids[0], 0), c.position, c.pages, self._draw_row(c)))
+            for j in range(1, waves):
+                rows[j].append(DecodeRow(c.slot, forwarded[j], c.position + j, c.pages) if j < len(forwarded) else None)
+        return rows
 
     def _graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether one captured bucket holds these one-token chunks (batch size and block-table width)."""
@@ -355,11 +372,19 @@ class ModelRunner:
 
     def _replay(self, step: StepContext) -> None:
         """The decode graph over the step's graph chunks: one logits row per chunk (if it wants one)."""
-        logits = self.graphs.run(step.graph_rows, self._last_draws.tokens if self._last_draws is not None else None)
-        failed = self._engram_failures(len(step.graph_rows))
+        waves = step.graph_rows
+        logits = self.graphs.run_waves(waves, self._last_draws.tokens if self._last_draws is not None else None)
+        size = logits.shape[0] // len(waves)
+        failed = self._engram_failures(len(waves[0]))
         for row, index in enumerate(step.graph_chunks):
             chunk, wanted = step.computed[index], step.logit_rows[index]
-            step.logits[chunk.request_id] = logits[row : row + len(wanted)]
+            if len(waves) == 1:
+                step.logits[chunk.request_id] = logits[row : row + len(wanted)]
+            else:  # wave-major: the chunk's rows are `size` apart
+                step.logits[chunk.request_id] = logits[row : row + size * len(wanted) : size]
+            if self.graphs.streams is not None:
+                forwarded = len(_forwarded(chunk))
+                step.streams[chunk.request_id] = self.graphs.streams[row : row + size * forwarded : size]
             if row in failed:
                 step.errors[chunk.request_id] = failed[row]
 
@@ -372,13 +397,15 @@ class ModelRunner:
         n_rows = sum(len(rows) for rows in logit_rows)
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
         kept = {}
-        if self.proposer is not None and self.proposer.needs_streams:  # V4 (a V4.1 cache refuses drafts)
+        if self._keeps_streams:  # V4 (a V4.1 cache refuses drafts)
             config = self.model.config
-            step.streams = kept["streams_out"] = torch.empty(
-                batch.token_ids.shape[0], config.hc_mult, config.hidden_size, dtype=self.model.lm_head.weight.dtype,
-                device=self.logits.device)
+            kept["streams_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, config.hidden_size,
+                                              dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
         with BatchInvariantMode() if self.deterministic else nullcontext():
             logits = self.model(batch, self.cache, out=out, **kept)
+        if kept:
+            for chunk, batch_chunk in zip(chunks, batch.chunks):
+                step.streams[chunk.request_id] = kept["streams_out"][batch_chunk.start : batch_chunk.start + batch_chunk.length]
         failed = self._engram_failures(batch.token_ids.shape[0])
         offset = 0
         for chunk, rows, batch_chunk in zip(chunks, logit_rows, batch.chunks):
@@ -436,7 +463,7 @@ class ModelRunner:
                 drawn = [next(tokens) for _ in range(len(chunk.draft_token_ids) + 1)]
                 self._verify(step, chunk, drawn)
         if self.proposer is not None:
-            step.proposed = self.proposer.propose(self._computed_chunks(step), step.streams)
+            step.proposed = self.proposer.propose(self._computed_chunks(step))
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
         return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))
@@ -462,11 +489,7 @@ class ModelRunner:
 
     def _computed_chunks(self, step: StepContext) -> list[ComputedChunk]:
         """What the step left of each chunk that did not fail, as the proposer reads it: the forwarded
-        tokens that stand, the token drawn after them, the rows of the eager forward's streams."""
-        rows = {}
-        if step.batch is not None:
-            for index, batch_chunk in zip(step.eager_chunks, step.batch.chunks):
-                rows[step.computed[index].request_id] = slice(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+        tokens that stand, the token drawn after them, their streams."""
         computed = []
         for chunk in step.plan.chunks:
             rid = chunk.request_id
@@ -474,7 +497,7 @@ class ModelRunner:
                 continue
             sampled = step.sampled.get(rid)
             computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
-                                          None if sampled is None else sampled.token_id, rows.get(rid)))
+                                          None if sampled is None else sampled.token_id, step.streams.get(rid)))
         return computed
 
     def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:
@@ -551,15 +574,16 @@ class ModelRunner:
 def graph_partition(computed: Sequence[ScheduledChunk], logit_rows: Sequence[Sequence[int]],
                     fits: Callable[[list[ScheduledChunk]], bool] | None) -> tuple[int, ...]:
     """Indices (into `computed`, in order) of the chunks a captured decode graph runs; the others run
-    eagerly. The graph takes every one-token chunk that wants at most one logits row (it yields one
-    row per sequence: a chunk with several echo rows stays eager), whether or not prefill chunks share
+    eagerly. The graph takes every one-token chunk that wants no more logits rows than it forwards
+    tokens (its last token and its drafts: the graph yields one row per forwarded token, so a chunk with
+    several echo rows stays eager), whether or not prefill chunks share
     the step, so that decodes do not fall back to the eager path whenever a prompt is prefilled. If
     `fits` (does one captured bucket hold these chunks?) refuses them, or there are no graphs (`fits`
     None), the graph runs nothing and the whole step is eager, as without graphs."""
     if fits is None:
         return ()
     decodes = [i for i, (chunk, rows) in enumerate(zip(computed, logit_rows))
-               if len(_forwarded(chunk)) == 1 and len(rows) <= 1]
+               if len(chunk.token_ids) == 1 and len(rows) <= 1 + len(chunk.draft_token_ids)]
     if not decodes or not fits([computed[i] for i in decodes]):
         return ()
     return tuple(decodes)
