@@ -36,8 +36,9 @@ device copy bandwidth, read + written) and `slice.matmul` (bf16 GEMM ceiling), m
 - verify: the cost of a speculative decoding verify step (issue 27): per concurrency, the plain decode
   step (CUDA graphs, as decode's default mode), then for each K of --draft-tokens a step whose
   sequences each forward their last token and K drafts and draw at every position (the runner's
-  verification, eager), from context 0; the random model's drafts would be rejected, so acceptance is
-  forced: positions advance by K + 1. Step p50 / p90 and `cost_ratio`, verify step over plain step.
+  verification; on CUDA the verify graphs of a runner built for that K, 1 + K rows a sequence), from
+  context 0; the random model's drafts would be rejected, so acceptance is forced: positions advance
+  by K + 1. Step p50 / p90 and `cost_ratio`, verify step over plain step.
 - transformers: HF `DeepseekV4ForCausalLM.generate` over the SAME tensors (bench/slice_hf.py), and our
   runner on the same prompts, per batch size; HF's decode tokens/s = (B x (steps - 1)) / (t(steps) -
   t(1 token)). Needs transformers >= 5.24 (the GPU image has 5.17: carry the wheel in .whl/).
@@ -328,16 +329,23 @@ def cmd_families(args: argparse.Namespace, model: torch.nn.Module, fields: dict[
 def cmd_verify(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
     """Per concurrency: the plain decode step, then a verify step of each K (see the module docstring)."""
     ceilings(args, model, fields)
-    most, widest = max(args.concurrency), max(args.draft_tokens)
-    runner = ModelRunner(model, most, 4096, device=args.device, cuda_graphs=args.device == "cuda", draft_tokens=widest)
+    most = max(args.concurrency)
     generator = torch.Generator().manual_seed(args.seed)
-    for concurrency in args.concurrency:
-        plain = decode_steps(runner, [0] * most, concurrency, args.steps, args.row_budget_s, generator)
-        for drafts in args.draft_tokens:
+    plain: dict[int, float] = {}
+    for drafts in args.draft_tokens:  # a runner per K: its verify graphs have exactly 1 + K rows a sequence
+        runner = ModelRunner(model, most, 4096, device=args.device, cuda_graphs=args.device == "cuda",
+                             draft_tokens=drafts)
+        for concurrency in args.concurrency:
+            if concurrency not in plain:
+                plain[concurrency] = decode_steps(runner, [0] * most, concurrency, args.steps, args.row_budget_s,
+                                                  generator)["step_ms_p50"]
             measured = verify_steps(runner, concurrency, drafts, args.steps, args.row_budget_s, generator)
             emit({"bench": "slice.verify", "concurrency": concurrency, "draft_tokens": drafts, **measured,
-                  "plain_step_ms_p50": plain["step_ms_p50"],
-                  "cost_ratio": measured["step_ms_p50"] / plain["step_ms_p50"]}, fields)
+                  "graphs": runner.graphs is not None, "plain_step_ms_p50": plain[concurrency],
+                  "cost_ratio": measured["step_ms_p50"] / plain[concurrency]}, fields)
+        del runner
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def verify_steps(runner: ModelRunner, concurrency: int, drafts: int, steps: int, budget_s: float,

@@ -672,7 +672,12 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
     replays = runner.graphs.replays
     got, accepted = decode(runner, 24)
-    assert [t.token_id for t in got] == [t.token_id for t in want]
+    # bf16 rows batched differently round differently: tokens must agree up to plain's first near tie
+    # (top-2 gap under 0.05 nats), which a different rounding may flip; the seed leaves plenty before it
+    ties = [i for i, t in enumerate(want) if len(t.top) > 1 and t.top[0][1] - t.top[1][1] < 0.05]
+    agreed = ties[0] if ties else len(want)
+    assert agreed >= 8, f"a near tie at token {agreed}: pick another seed"
+    assert [t.token_id for t in got[:agreed]] == [t.token_id for t in want[:agreed]]
     assert runner.graphs.replays - replays == len(accepted)  # every decode and verify step replayed a graph
 
 
