@@ -96,13 +96,14 @@ class RowCache:
         self._hits += len(set(slots.tolist()))
         self.credit[slots] = np.minimum(self.credit[slots] + 1, MAX_CREDIT)
 
-    def device_slots_of(self, rows: torch.Tensor) -> torch.Tensor:
+    def device_slots_of(self, rows: torch.Tensor, misses: torch.Tensor | None = None, which: int = 0) -> torch.Tensor:
         """`slots_of` for row ids on the device the steps read from (`view`'s): looked up there in the
-        device index, by torch ops whose count does not depend on how many rows (FREE where not cached).
-        No credit and no counting: a warm step's lookup stays off the host."""
+        device index, by ops whose count does not depend on how many rows (FREE where not cached); the
+        uncached rows' count added to misses[which] if given. No credit and no counting: a warm step's
+        lookup stays off the host."""
         if self.changed is not None:
             torch.cuda.current_stream(self.view.device).wait_event(self.changed)
-        return self.device_index.lookup(rows)
+        return self.device_index.lookup(rows, misses, which)
 
     def count_hits_on_device(self, slots: torch.Tensor) -> None:
         """`credit_hits` for cached `slots` (a device tensor, any shape, repeats allowed) without a host

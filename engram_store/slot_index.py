@@ -1,5 +1,6 @@
 """A row -> slot index of a RowCache that lives in a tensor, so a step looks its rows up where its
-row ids are (the compute device) with torch ops: no host sync, no per-row Python work.
+row ids are (the compute device): one kernel on CUDA (kernels/slot_lookup.py), torch ops elsewhere;
+no host sync, no per-row Python work.
 
 Open addressing with linear probing in a power-of-two table of at least twice the cache's capacity
 (load <= 1/2). The host path that fills the cache (RowCache.insert / clear, under the caller's lock)
@@ -17,17 +18,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.slot_lookup import slot_lookup
+
 EMPTY = -1  # an entry no key ever took
 TOMB = -2  # an entry whose key was evicted: lookups pass it, inserts may reuse it
 MAX_PROBE = 16  # rebuild once some key sits further than this from its home entry
 _MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 
 
-def _home(rows: np.ndarray | torch.Tensor, bits: int) -> np.ndarray | torch.Tensor:
+def _home(rows: np.ndarray, bits: int) -> np.ndarray:
     """Home entry of each row id: the top `bits` bits of row * golden ratio (wrapping int64 multiply,
-    the same bits in numpy and torch)."""
-    mixed = rows * int(_MIX) if isinstance(rows, torch.Tensor) else rows * _MIX
-    return (mixed >> (64 - bits)) & ((1 << bits) - 1)
+    the same bits as kernels/slot_lookup.home_entries on tensors)."""
+    return ((rows * _MIX) >> (64 - bits)) & ((1 << bits) - 1)
 
 
 class DeviceSlotIndex:
@@ -91,16 +93,12 @@ class DeviceSlotIndex:
             step += 1
         return positions
 
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+    def lookup(self, rows: torch.Tensor, misses: torch.Tensor | None = None, which: int = 0) -> torch.Tensor:
         """Slot of each row id of `rows` (any shape, on the index's device), -1 where the row is not
-        cached: MAX_PROBE + 1 gathers and compares, whatever the rows and the table hold."""
-        home = _home(rows, self.bits)
-        found = torch.full_like(rows, -1)
-        for step in range(MAX_PROBE + 1):
-            entry = (home + step) & (self.size - 1)
-            hit = self.device_keys[entry] == rows
-            found = torch.where(hit, self.device_slots[entry], found)
-        return found
+        cached: MAX_PROBE + 1 probes whatever the rows and the table hold, one kernel on CUDA
+        (kernels/slot_lookup.py). With `misses` (int32 counters on the device), the absent rows' count
+        is added to misses[which]."""
+        return slot_lookup(rows, self.device_keys, self.device_slots, self.bits, int(_MIX), MAX_PROBE + 1, misses, which)
 
     def check_integrity(self, index: dict[int, int]) -> None:
         """The mirror, the device tensors and the cache's dict agree on every live row and slot."""

@@ -19,6 +19,7 @@ disk cannot flood the log).
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import queue
 import threading
@@ -180,10 +181,12 @@ class DiskLayer:
         pairs = ((self.device_cache, "rows_device_cache"), (self.host_cache, "rows_host_cache"))
         return [(cache, counter) for cache, counter in pairs if cache is not None]
 
-    def device_slots(self, ids: torch.Tensor) -> list[torch.Tensor]:
+    def device_slots(self, ids: torch.Tensor, misses: torch.Tensor, first: int) -> list[torch.Tensor]:
         """Each cache's slots of `ids` (FREE where it lacks the row), looked up in its device index by a
-        fixed number of ops; under the lock, like the gather that follows."""
-        return [cache.device_slots_of(ids.to(cache.view.device, non_blocking=True)) for cache, _ in self.caches()]
+        fixed number of ops, the i-th cache's misses counted in misses[first + i]; under the lock, like
+        the gather that follows."""
+        return [cache.device_slots_of(ids.to(cache.view.device, non_blocking=True), misses, first + i)
+                for i, (cache, _) in enumerate(self.caches())]
 
     def gather_slots(self, which: int, slots: torch.Tensor) -> torch.Tensor:
         """float32 rows [slots.numel(), row_dim] on the compute device: the `which`-th cache's `slots`
@@ -413,16 +416,20 @@ class DiskTier:
         layers = {index: self.layers[index] for index in row_ids if self.layers[index].gathers_warm}
         if not layers:
             return {}
+        firsts = list(itertools.accumulate((len(layer.caches()) for layer in layers.values()), initial=0))
+        device = next(iter(row_ids.values())).device
+        misses = torch.zeros(firsts[-1], dtype=torch.int32, device=device)
         with ExitStack() as held:
             for layer in layers.values():  # the I/O thread holds one layer's lock at a time: no deadlock
                 held.enter_context(layer.lock)
-            slots = {index: layer.device_slots(row_ids[index]) for index, layer in layers.items()}
-            counts = torch.stack([(s == FREE).sum() for per in slots.values() for s in per]).tolist()  # one read
+            slots = {index: layer.device_slots(row_ids[index], misses, first)
+                     for (index, layer), first in zip(layers.items(), firsts)}
+            counts = misses.tolist()  # the step's one read
             ready = {}
             for index, layer in layers.items():
-                misses, counts = counts[: len(slots[index])], counts[len(slots[index]) :]
-                if 0 in misses:
-                    which = misses.index(0)
+                layer_misses, counts = counts[: len(slots[index])], counts[len(slots[index]) :]
+                if 0 in layer_misses:
+                    which = layer_misses.index(0)
                     ready[index] = layer.gather_slots(which, slots[index][which])
             return ready
 

@@ -317,7 +317,7 @@ def test_graph_decode_makes_no_allocation(checkpoints, kind):
     assert after["num_device_alloc"] == before["num_device_alloc"]
     assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
     spare = DecodeRow(runner.graphs.scratch_slot, 5, 0, (runner.graphs.scratch_page,))
-    graph = runner.graphs.graphs[runner.graphs.bucket([spare])]
+    graph = runner.graphs.graphs[(*runner.graphs.bucket([spare]), 1)]
     requests = torch.cuda.memory_stats()["allocation.all.allocated"]
     for _ in range(10):
         graph.replay()
@@ -663,7 +663,9 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     from tests.test_proposers import CONFIG, K, decode
     from worker.proposers import build_proposer
 
-    model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
+    # drawn on the CPU (CUDA generators draw other weights): this seed's plain greedy has no near tie in
+    # its 24 tokens there, so the GPU's roundings leave a long stretch to compare
+    model = build_random_model(CONFIG, torch.bfloat16, "cpu", seed=20, mtp=True).to("cuda")
     plain = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True)
     want, _ = decode(plain, 24)
     proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
@@ -673,8 +675,8 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     replays = runner.graphs.replays
     got, accepted = decode(runner, 24)
     # bf16 rows batched differently round differently: tokens must agree up to plain's first near tie
-    # (top-2 gap under 0.05 nats), which a different rounding may flip; the seed leaves plenty before it
-    ties = [i for i, t in enumerate(want) if len(t.top) > 1 and t.top[0][1] - t.top[1][1] < 0.05]
+    # (top-2 gap within ~2 bf16 ulps of these logits, 1/64 each), which a different rounding may flip
+    ties = [i for i, t in enumerate(want) if len(t.top) > 1 and t.top[0][1] - t.top[1][1] < 0.04]
     agreed = ties[0] if ties else len(want)
     assert agreed >= 8, f"a near tie at token {agreed}: pick another seed"
     assert [t.token_id for t in got[:agreed]] == [t.token_id for t in want[:agreed]]
@@ -685,6 +687,12 @@ def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_engram_gather
 
     check_engram_gather(rows=4000, dim=256, ids=64, seed=1, device="cuda")  # V4.1-Flash's 256-wide rows
+
+
+def test_slot_lookup_kernel_compiled_is_bitwise_the_reference():
+    from tests.test_triton_kernels import check_slot_lookup
+
+    check_slot_lookup(capacity=20000, rows=5000, seed=1, device="cuda")
 
 
 def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():

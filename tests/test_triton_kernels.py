@@ -682,3 +682,32 @@ def test_pool_decode_kernel_compiled_equals_the_reference(seed):
         check_pool_decode(batch=33, dim=512, rope_half=32, rate=4, overlap=True, dtype=dtype, seed=seed, device="cuda")
         check_pool_decode(batch=33, dim=128, rope_half=32, rate=4, overlap=True, dtype=dtype, seed=seed, device="cuda")
         check_pool_decode(batch=9, dim=512, rope_half=32, rate=128, overlap=False, dtype=dtype, seed=seed, device="cuda")
+
+
+def check_slot_lookup(capacity: int, rows: int, seed: int, device: str = DEVICE) -> None:
+    """A device slot index after random inserts and evictions (tombstones, keys displaced from their
+    homes): the kernel's slots and miss counts are the torch reference's, bitwise."""
+    import numpy as np
+
+    from engram_store.slot_index import MAX_PROBE, _MIX, DeviceSlotIndex
+    from kernels.slot_lookup import slot_lookup_reference, slot_lookup_triton
+
+    rng = np.random.default_rng(seed)
+    index = DeviceSlotIndex(capacity, device)
+    held = rng.choice(10 * capacity, size=capacity, replace=False)
+    index.insert(held, rng.permutation(capacity))
+    index.remove(held[: capacity // 3])
+    asked = torch.from_numpy(np.concatenate([held, rng.integers(0, 10 * capacity, size=rows)])).to(device)
+    asked = asked[torch.randperm(len(asked), generator=torch.Generator().manual_seed(seed)).to(device)].view(-1, 3)
+    args = (index.device_keys, index.device_slots, index.bits, int(_MIX), MAX_PROBE + 1)
+    counts = [torch.full((2,), 5, dtype=torch.int32, device=device) for _ in range(2)]
+    got = slot_lookup_triton(asked, *args, counts[0], 1)
+    want = slot_lookup_reference(asked, *args, counts[1], 1)
+    assert torch.equal(got, want) and torch.equal(counts[0], counts[1])
+    live = np.isin(asked.cpu().numpy(), held[capacity // 3 :])
+    assert np.array_equal(want.cpu().numpy() >= 0, live) and int(counts[0][1]) == 5 + int((~live).sum())
+    assert int(counts[0][0]) == 5
+
+
+def test_slot_lookup_kernel_is_bitwise_the_reference():
+    check_slot_lookup(capacity=300, rows=150, seed=0)

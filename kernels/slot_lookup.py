@@ -1,0 +1,82 @@
+"""Row cache lookups on the device: a torch reference and a Triton kernel.
+
+A row cache's row -> slot map lives in a device hash table (engram_store/slot_index.py: open
+addressing, Fibonacci-hashed homes, at most MAX_PROBE displacements). A warm decode step looks every
+Engram row of the step up there. The reference does it with torch ops, five a probe: with 17 probes
+that is ~85 launches per layer and cache, ~10 us of host time each, which is what a warm step's host
+time was made of on the H200 (bench.engram's graph_engram_wait_ms, fifteenth session). The kernel is
+one launch: each program probes its rows in registers and adds its misses to a counter, so the host
+reads one small tensor of miss counts for the whole step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path runs
+    triton = None
+
+LOOKUP_BLOCK = 128
+
+
+def slot_lookup(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, bits: int, mix: int, probes: int,
+                misses: torch.Tensor | None = None, which: int = 0) -> torch.Tensor:
+    """Slot of each row id of `rows` (int64, any shape) in the table (`keys`, `slots`: int64 [2**bits]),
+    -1 where absent; `probes` entries from each row's home. With `misses` (int32 counters), the count of
+    absent rows is added to misses[which]. The kernel on CUDA, the reference elsewhere."""
+    if triton is not None and rows.is_cuda:
+        return slot_lookup_triton(rows, keys, slots, bits, mix, probes, misses, which)
+    return slot_lookup_reference(rows, keys, slots, bits, mix, probes, misses, which)
+
+
+def home_entries(rows: torch.Tensor, bits: int, mix: int) -> torch.Tensor:
+    """Home entry of each row id: the top `bits` bits of row * mix (wrapping int64 multiply)."""
+    return ((rows * mix) >> (64 - bits)) & ((1 << bits) - 1)
+
+
+def slot_lookup_reference(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, bits: int, mix: int,
+                          probes: int, misses: torch.Tensor | None = None, which: int = 0) -> torch.Tensor:
+    home = home_entries(rows, bits, mix)
+    found = torch.full_like(rows, -1)
+    for step in range(probes):
+        entry = (home + step) & ((1 << bits) - 1)
+        found = torch.where(keys[entry] == rows, slots[entry], found)
+    if misses is not None:
+        misses[which] += (found < 0).sum().to(misses.dtype)
+    return found
+
+
+def slot_lookup_triton(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, bits: int, mix: int,
+                       probes: int, misses: torch.Tensor | None = None, which: int = 0) -> torch.Tensor:
+    flat = rows.reshape(-1).contiguous()
+    out = torch.empty_like(flat)
+    count = flat.numel()
+    if count:
+        counter = misses[which:] if misses is not None else out  # unused without COUNT
+        _slot_lookup_kernel[(triton.cdiv(count, LOOKUP_BLOCK),)](
+            flat, keys, slots, out, counter, count, 64 - bits, (1 << bits) - 1, mix,
+            PROBES=probes, COUNT=misses is not None, BLOCK=LOOKUP_BLOCK)
+    return out.view(rows.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slot_lookup_kernel(rows_ptr, keys_ptr, slots_ptr, out_ptr, misses_ptr, count, shift, mask_bits, mix,
+                            PROBES: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offsets < count
+        rows = tl.load(rows_ptr + offsets, mask=live, other=0)
+        home = ((rows * mix) >> shift) & mask_bits
+        found = tl.full([BLOCK], -1, tl.int64)
+        for step in tl.static_range(PROBES):
+            entry = (home + step) & mask_bits
+            key = tl.load(keys_ptr + entry, mask=live, other=-1)
+            slot = tl.load(slots_ptr + entry, mask=live, other=-1)
+            found = tl.where(key == rows, slot, found)
+        tl.store(out_ptr + offsets, found, mask=live)
+        if COUNT:
+            tl.atomic_add(misses_ptr, tl.sum((live & (found < 0)).to(tl.int32), axis=0))
