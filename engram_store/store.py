@@ -417,7 +417,7 @@ class DiskTier:
         if not layers:
             return {}
         firsts = list(itertools.accumulate((len(layer.caches()) for layer in layers.values()), initial=0))
-        device = next(iter(row_ids.values())).device
+        device = next(iter(layers.values())).caches()[0][0].view.device  # where the lookups run
         misses = torch.zeros(firsts[-1], dtype=torch.int32, device=device)
         with ExitStack() as held:
             for layer in layers.values():  # the I/O thread holds one layer's lock at a time: no deadlock
