@@ -34,6 +34,7 @@ import torch
 
 from engram_store.slot_index import DeviceSlotIndex
 from kernels.host_memory import mapped_host_bytes
+from kernels.slot_lookup import count_hits
 
 MAX_CREDIT = 3
 FREE = -1  # row_of_slot of a slot no row holds
@@ -57,9 +58,17 @@ class RowCache:
         self.credit = np.zeros(self.capacity, dtype=np.uint8)
         self.hand = 0
         self._hits = self.misses = 0
-        self.device_credit = torch.zeros(self.capacity, dtype=torch.uint8, device=self.view.device)  # unfolded
-        self.device_hits = torch.zeros((), dtype=torch.int64, device=self.view.device)  # unfolded distinct hits
+        self.device_credit = torch.zeros(self.capacity, dtype=torch.int32, device=self.view.device)  # unfolded
+        self.device_hits = torch.zeros(1, dtype=torch.int32, device=self.view.device)  # unfolded distinct hits
+        self.device_stamps = torch.zeros(self.capacity, dtype=torch.int32, device=self.view.device)
+        self.counts = 0  # count_hits_on_device calls: each stamps the slots it sees with its number
         self.changed: torch.cuda.Event | None = None  # the last device write of the index or the counters
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the bookkeeping a warm step reads and writes: the index, credits and stamps."""
+        counters = (self.device_credit, self.device_hits, self.device_stamps)
+        return self.device_index.device_bytes + sum(t.numel() * t.element_size() for t in counters)
 
     @property
     def hits(self) -> int:
@@ -107,15 +116,10 @@ class RowCache:
 
     def count_hits_on_device(self, slots: torch.Tensor) -> None:
         """`credit_hits` for cached `slots` (a device tensor, any shape, repeats allowed) without a host
-        read: each distinct slot gains a credit (capped: credits cap at MAX_CREDIT anyway) and the
-        distinct count adds to `device_hits`, a fixed number of ops whatever the slots. Folded by
-        `fold_hits`."""
-        flat = slots.reshape(-1)
-        if flat.numel() == 0:
-            return
-        self.device_credit[flat] = torch.clamp(self.device_credit[flat] + 1, max=MAX_CREDIT)
-        ordered = flat.sort().values
-        self.device_hits += 1 + (ordered[1:] != ordered[:-1]).sum()
+        read: each distinct slot gains a credit and the distinct count adds to `device_hits`, one kernel
+        on CUDA (kernels/slot_lookup.count_hits). Folded by `fold_hits`."""
+        self.counts = self.counts % (2**31 - 2) + 1
+        count_hits(slots, self.device_stamps, self.device_credit, self.device_hits, self.counts)
 
     def fold_hits(self) -> int:
         """Moves the device's hit counts into the CLOCK's credits and `hits` (one scalar read, the
@@ -124,7 +128,8 @@ class RowCache:
         folded = int(self.device_hits)
         if folded:
             pending = self.device_credit.cpu().numpy()
-            np.minimum(self.credit + pending, MAX_CREDIT, out=self.credit)  # credit + pending <= 2 * MAX_CREDIT
+            # capped once here, as capped one step at a time: min(min(c + 1, M) + 1, M) = min(c + 2, M)
+            self.credit[:] = np.minimum(self.credit.astype(np.int64) + pending, MAX_CREDIT)
             self.device_credit.zero_()
             self.device_hits.zero_()
             self._hits += folded
@@ -173,7 +178,7 @@ class RowCache:
         assert ((0 <= slots) & (slots < self.capacity)).all(), "an index entry points outside the cache"
         assert np.array_equal(self.row_of_slot[slots], rows), "an index entry points at a slot another row holds"
         assert (self.credit <= MAX_CREDIT).all(), "a slot holds more credit than MAX_CREDIT"
-        assert self.capacity == 0 or int(self.device_credit.max()) <= MAX_CREDIT, "an unfolded credit past MAX_CREDIT"
+        assert self.capacity == 0 or int(self.device_credit.min()) >= 0, "a negative unfolded credit"
         assert self.capacity == 0 or 0 <= self.hand < self.capacity, "the clock hand is off the slots"
         self.device_index.check_integrity(self.index)
 

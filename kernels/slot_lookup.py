@@ -7,6 +7,12 @@ that is ~85 launches per layer and cache, ~10 us of host time each, which is wha
 time was made of on the H200 (bench.engram's graph_engram_wait_ms, fifteenth session). The kernel is
 one launch: each program probes its rows in registers and adds its misses to a counter, so the host
 reads one small tensor of miss counts for the whole step.
+
+The hits of the rows a warm step gathers are counted on the device too (`count_hits`): each distinct
+slot gains a credit and the distinct count adds to a total, as the host's CLOCK would have counted
+them. The reference finds the distinct slots with torch.unique; the kernel stamps each slot it sees
+with the call's number (an atomic exchange: the lane that swaps the old number out is the slot's
+first this call), so one launch replaces the dozen ops of a sort and scatter.
 """
 
 from __future__ import annotations
@@ -30,6 +36,32 @@ def slot_lookup(rows: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, bit
     if triton is not None and rows.is_cuda:
         return slot_lookup_triton(rows, keys, slots, bits, mix, probes, misses, which)
     return slot_lookup_reference(rows, keys, slots, bits, mix, probes, misses, which)
+
+
+def count_hits(slots: torch.Tensor, stamps: torch.Tensor, credits: torch.Tensor, hits: torch.Tensor,
+               stamp: int) -> None:
+    """Each distinct slot of `slots` (any shape, repeats allowed) adds 1 to its `credits` entry (int32,
+    uncapped: the host caps when it folds them in) and their count adds to `hits` (int32 [1]).
+    `stamps` (int32, one per slot) and `stamp` (a number no earlier call used, > 0) are the kernel's
+    record of which slots this call saw; the reference ignores them."""
+    if triton is not None and slots.is_cuda:
+        count_hits_triton(slots, stamps, credits, hits, stamp)
+    else:
+        count_hits_reference(slots, credits, hits)
+
+
+def count_hits_reference(slots: torch.Tensor, credits: torch.Tensor, hits: torch.Tensor) -> None:
+    distinct = torch.unique(slots.reshape(-1))
+    credits[distinct] += 1
+    hits += distinct.numel()
+
+
+def count_hits_triton(slots: torch.Tensor, stamps: torch.Tensor, credits: torch.Tensor, hits: torch.Tensor,
+                      stamp: int) -> None:
+    flat = slots.reshape(-1).contiguous()
+    if flat.numel():
+        _count_hits_kernel[(triton.cdiv(flat.numel(), LOOKUP_BLOCK),)](
+            flat, stamps, credits, hits, flat.numel(), stamp, BLOCK=LOOKUP_BLOCK)
 
 
 def home_entries(rows: torch.Tensor, bits: int, mix: int) -> torch.Tensor:
@@ -80,3 +112,13 @@ if triton is not None:
         tl.store(out_ptr + offsets, found, mask=live)
         if COUNT:
             tl.atomic_add(misses_ptr, tl.sum((live & (found < 0)).to(tl.int32), axis=0))
+
+    @triton.jit
+    def _count_hits_kernel(slots_ptr, stamps_ptr, credits_ptr, hits_ptr, count, stamp, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offsets < count
+        slot = tl.load(slots_ptr + offsets, mask=live, other=0)
+        before = tl.atomic_xchg(stamps_ptr + slot, tl.full([BLOCK], stamp, tl.int32), mask=live)
+        first = live & (before != stamp)
+        tl.atomic_add(credits_ptr + slot, tl.full([BLOCK], 1, tl.int32), mask=first)
+        tl.atomic_add(hits_ptr, tl.sum(first.to(tl.int32), axis=0))

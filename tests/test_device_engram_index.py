@@ -172,6 +172,6 @@ def test_a_warm_decode_steps_host_work_does_not_grow_with_its_engram_rows(checkp
     assert sixteen.peak_bytes <= one.peak_bytes + 2048, (one.peak_bytes, sixteen.peak_bytes)
     assert model.engram_memory.stats().rows_host_cache > 0  # the device-counted hits, folded
     caches = [layer.host_cache for layer in model.engram_memory.source.tiers["disk"].layers.values()]
-    index_bytes = sum(cache.device_index.device_bytes for cache in caches)
+    index_bytes = sum(cache.device_bytes for cache in caches)
     assert index_bytes and model_bytes(model) >= index_bytes + sum(cache.storage.numel() for cache in caches)
     model.engram_memory.check_integrity()

@@ -658,14 +658,12 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     """A graphed runner with draft rows verifies on its verify graphs (1 + 3 rows a sequence, wave-major;
     the MTP proposer reads the streams the graphs keep): greedy fed its proposed drafts emits the tokens
     plain graphed greedy emits, with a chunked prompt (tests/test_proposers.py's loop), and the verify
-    graphs were replayed."""
+    graphs were replayed. Plain greedy's tokens up to where bf16 roundings may flip a near tie."""
     from models.random_model import build_random_model
     from tests.test_proposers import CONFIG, K, decode
     from worker.proposers import build_proposer
 
-    # drawn on the CPU (CUDA generators draw other weights): this seed's plain greedy has no near tie in
-    # its 24 tokens there, so the GPU's roundings leave a long stretch to compare
-    model = build_random_model(CONFIG, torch.bfloat16, "cpu", seed=20, mtp=True).to("cuda")
+    model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
     plain = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True)
     want, _ = decode(plain, 24)
     proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
@@ -674,12 +672,14 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
     replays = runner.graphs.replays
     got, accepted = decode(runner, 24)
-    # bf16 rows batched differently round differently: tokens must agree up to plain's first near tie
-    # (top-2 gap within ~2 bf16 ulps of these logits, 1/64 each), which a different rounding may flip
-    ties = [i for i, t in enumerate(want) if len(t.top) > 1 and t.top[0][1] - t.top[1][1] < 0.04]
-    agreed = ties[0] if ties else len(want)
-    assert agreed >= 8, f"a near tie at token {agreed}: pick another seed"
-    assert [t.token_id for t in got[:agreed]] == [t.token_id for t in want[:agreed]]
+    # bf16 rows batched differently round differently, so the two may part at a near tie (top-2 gap
+    # within ~2 bf16 ulps of these logits, 1/64 each) and only there; until then the same tokens with
+    # logprobs within those roundings
+    gaps = [t.top[0][1] - t.top[1][1] for t in want]
+    agreed = next((i for i, (a, b) in enumerate(zip(got, want)) if a.token_id != b.token_id), len(want))
+    assert agreed == len(want) or gaps[agreed] < 0.04, (agreed, [round(g, 3) for g in gaps])
+    for a, b in zip(got[:agreed], want[:agreed]):
+        assert abs(a.logprob - b.logprob) < 0.04, (a, b)
     assert runner.graphs.replays - replays == len(accepted)  # every decode and verify step replayed a graph
 
 
@@ -693,6 +693,12 @@ def test_slot_lookup_kernel_compiled_is_bitwise_the_reference():
     from tests.test_triton_kernels import check_slot_lookup
 
     check_slot_lookup(capacity=20000, rows=4999, seed=1, device="cuda")
+
+
+def test_count_hits_kernel_compiled_equals_the_reference():
+    from tests.test_triton_kernels import check_count_hits
+
+    check_count_hits(capacity=30000, slots=9000, seed=1, device="cuda")
 
 
 def test_unpack_fp4_kernel_compiled_is_bitwise_the_reference():

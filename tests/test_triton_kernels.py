@@ -711,3 +711,24 @@ def check_slot_lookup(capacity: int, rows: int, seed: int, device: str = DEVICE)
 
 def test_slot_lookup_kernel_is_bitwise_the_reference():
     check_slot_lookup(capacity=300, rows=150, seed=0)
+
+
+def check_count_hits(capacity: int, slots: int, seed: int, device: str = DEVICE) -> None:
+    """Three calls of repeated slots: the kernel's credits and distinct-hit totals are the reference's
+    (torch.unique), its stamps telling a call's first sight of a slot from the calls before."""
+    from kernels.slot_lookup import count_hits_reference, count_hits_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    stamps = torch.zeros(capacity, dtype=torch.int32, device=device)
+    credits = [torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(2)]
+    hits = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2)]
+    for call in range(1, 4):
+        asked = torch.randint(0, capacity // 3 * call, (slots, 2), generator=generator, device=device)
+        count_hits_triton(asked, stamps, credits[0], hits[0], call)
+        count_hits_reference(asked, credits[1], hits[1])
+        assert torch.equal(credits[0], credits[1]) and torch.equal(hits[0], hits[1]), call
+    assert int(credits[0].max()) > 1 and int(hits[0]) < 3 * 2 * slots
+
+
+def test_count_hits_kernel_equals_the_reference():
+    check_count_hits(capacity=200, slots=90, seed=0)
