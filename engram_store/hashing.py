@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from tokenizers import Regex, normalizers
 
+from kernels import engram_hash
+
 DEAD = -1  # a look-back slot that is blocked: before the sequence start or at a dead position
 _SENTINEL = "\ue000"
 
@@ -185,6 +187,26 @@ class NgramHasher:
             mixes.append(mixes[-1] ^ products[..., k])
         per_column = torch.stack(mixes[1:], dim=2).repeat_interleave(self.layout.n_heads, dim=2)
         return per_column % primes[None] + offsets[None]
+
+    def step_row_ids_tensor(self, slots: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                            context: torch.Tensor) -> torch.Tensor:
+        """Row ids [N, L, cols] of a decode step (int64 `slots`, `token_ids`, `positions` [N] on the
+        device of `context`, the slots' carried look-backs [slots, N-1], none at position 0), the
+        look-backs advanced in place: one kernel on CUDA (kernels/engram_hash.py), else
+        `next_row_ids_tensor` and `advance_tensor`, its reference."""
+        lookup, multipliers, primes, offsets = self._tensors(token_ids.device)
+        if engram_hash.triton is not None and token_ids.is_cuda:
+            return engram_hash.hash_decode_rows_triton(slots, token_ids, positions, context, lookup, multipliers,
+                                                       primes, offsets, self.pad, self.layout.n_heads)
+        return self.step_row_ids_reference(slots, token_ids, positions, context)
+
+    def step_row_ids_reference(self, slots: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                               context: torch.Tensor) -> torch.Tensor:
+        held = context[slots]
+        held = torch.where(positions[:, None] == 0, torch.full_like(held, DEAD), held)  # position 0: no past
+        row_ids = self.next_row_ids_tensor(token_ids, held.to(torch.int64))
+        context[slots] = self.advance_tensor(held, token_ids)
+        return row_ids
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The lookup, multipliers, primes and offsets as tensors on `device`, copied there once."""

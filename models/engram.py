@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from contract import EngramStats
-from engram_store.hashing import DEAD, NgramHasher
+from engram_store.hashing import NgramHasher
 from engram_store.rows import EngramStep, RowSource
 from models.batch import ForwardBatch
 from models.parallel import TensorParallel, mark_shards
@@ -203,11 +203,7 @@ class EngramMemory:
         number of ops whatever the batch. Hinted hashes are dropped, not matched (matching reads the
         look-backs on the host; hashing again on the device costs less)."""
         self._take_hinted()
-        held = context[slots]
-        held = torch.where(positions[:, None] == 0, torch.full_like(held, DEAD), held)  # position 0: no past
-        row_ids = self.hasher.next_row_ids_tensor(token_ids, held.to(torch.int64))
-        context[slots] = self.hasher.advance_tensor(held, token_ids)
-        return row_ids
+        return self.hasher.step_row_ids_tensor(slots, token_ids, positions, context)
 
     def start(self, row_ids: torch.Tensor) -> EngramStep:
         """Starts this rank's reads of a step's rows (whole-table ids [T, layers, columns]): disk tiers

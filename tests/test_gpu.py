@@ -695,6 +695,12 @@ def test_slot_lookup_kernel_compiled_is_bitwise_the_reference():
     check_slot_lookup(capacity=20000, rows=4999, seed=1, device="cuda")
 
 
+def test_engram_hash_kernel_compiled_is_bitwise_the_reference():
+    from tests.test_triton_kernels import check_engram_hash
+
+    check_engram_hash(batch=300, seed=1, device="cuda")
+
+
 def test_count_hits_kernel_compiled_equals_the_reference():
     from tests.test_triton_kernels import check_count_hits
 

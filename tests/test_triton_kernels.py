@@ -732,3 +732,34 @@ def check_count_hits(capacity: int, slots: int, seed: int, device: str = DEVICE)
 
 def test_count_hits_kernel_equals_the_reference():
     check_count_hits(capacity=200, slots=90, seed=0)
+
+
+def check_engram_hash(batch: int, seed: int, device: str = DEVICE) -> None:
+    """A decode step's row ids hashed by the kernel and by the torch statement (NgramHasher's), for
+    sequences at position 0, with dead look-backs and with full ones: the same ids and the same
+    advanced look-backs, bitwise, in two layouts (2- and 3-grams, 4 heads; 2-grams only)."""
+    import numpy as np
+
+    from engram_store.hashing import DEAD, EngramLayout, NgramHasher
+    from kernels.engram_hash import hash_decode_rows_triton
+
+    rng = np.random.default_rng(seed)
+    for max_ngram, heads in ((3, 4), (2, 3), (4, 2)):
+        layout = EngramLayout.build([1, 4, 6], max_ngram, heads, 1000)
+        hasher = NgramHasher(rng.integers(0, 700, size=900).tolist(), layout, pad_id=3)
+        slots = torch.from_numpy(rng.permutation(batch + 3)[:batch]).to(device)
+        tokens = torch.from_numpy(rng.integers(0, 900, size=batch)).to(device)
+        positions = torch.from_numpy(rng.integers(0, 3, size=batch)).to(device)
+        context = torch.from_numpy(rng.integers(0, 700, size=(batch + 3, max_ngram - 1))).to(device)
+        context[slots[0]] = DEAD
+        context[slots[1], 0] = DEAD
+        expected_context = context.clone()
+        want = hasher.step_row_ids_reference(slots, tokens, positions, expected_context)
+        lookup, multipliers, primes, offsets = hasher._tensors(torch.device(device))
+        got = hash_decode_rows_triton(slots, tokens, positions, context, lookup, multipliers, primes, offsets,
+                                      hasher.pad, heads)
+        assert torch.equal(got, want) and torch.equal(context, expected_context), (max_ngram, heads)
+
+
+def test_engram_hash_kernel_is_bitwise_the_reference():
+    check_engram_hash(batch=9, seed=0)
