@@ -35,7 +35,7 @@ def hash_decode_rows_triton(slots: torch.Tensor, token_ids: torch.Tensor, positi
         _hash_kernel[(n_seq,)](
             slots.contiguous(), token_ids.contiguous(), positions.contiguous(), context, lookup,
             multipliers.contiguous(), primes.contiguous(), offsets.contiguous(), out, pad, layers, cols, heads,
-            CTX=context.shape[1], LP=triton.next_power_of_2(layers), CP=triton.next_power_of_2(cols))
+            CTX=context.shape[1], LP=triton.next_power_of_2(layers), CP=triton.next_power_of_2(cols), DEAD=DEAD)
     return out
 
 
@@ -44,7 +44,7 @@ if triton is not None:
     @triton.jit
     def _hash_kernel(slots_ptr, tokens_ptr, positions_ptr, context_ptr, lookup_ptr, mult_ptr, primes_ptr,
                      offsets_ptr, out_ptr, pad, layers, cols, heads,
-                     CTX: tl.constexpr, LP: tl.constexpr, CP: tl.constexpr):
+                     CTX: tl.constexpr, LP: tl.constexpr, CP: tl.constexpr, DEAD: tl.constexpr):
         i = tl.program_id(0)
         slot = tl.load(slots_ptr + i)
         start = tl.load(positions_ptr + i) == 0  # no look-back before a sequence's first token
