@@ -19,7 +19,14 @@ from contract.messages import (
 )
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
-from contract.stats import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, StepTokens
+from contract.stats import (
+    PREFETCH_WAIT_BUCKETS,
+    STEP_TOKEN_BUCKETS,
+    EngineStats,
+    EngramStats,
+    SpecDecodeCounts,
+    StepTokens,
+)
 from contract.step import (
     PENDING_TOKEN,
     TIER_MOVES,
@@ -63,6 +70,7 @@ __all__ = [
     "StepOutputs",
     "StepPlan",
     "StepResult",
+    "SpecDecodeCounts",
     "StepTokens",
     "StructuredOutput",
     "TierDone",

@@ -31,7 +31,7 @@ from contract.messages import (
 )
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import SamplingParams, TokenLogprob
-from contract.stats import EngineStats, EngramStats, StepTokens
+from contract.stats import EngineStats, EngramStats, SpecDecodeCounts, StepTokens
 from contract.step import ScheduledChunk, StateCopy, StepPlan, TierMove
 from contract.structured import StructuredOutput
 
@@ -92,7 +92,8 @@ def _ready(body: dict[str, Any]) -> EngineReady:
 def _stats(body: dict[str, Any]) -> EngineStats:
     engram = body["engram"]
     return EngineStats(**{**body, "engram": None if engram is None else EngramStats(**_fields(engram)),
-                          "step_tokens": StepTokens(**_fields(body["step_tokens"]))})
+                          "step_tokens": StepTokens(**_fields(body["step_tokens"])),
+                          "spec": SpecDecodeCounts(**_fields(body["spec"]))})
 
 
 _KINDS: dict[type, str] = {

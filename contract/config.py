@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_API_KEY = "DS4SERVE_API_KEY"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -144,14 +144,52 @@ class ParallelSection(Section):
     on_rank_failure: Literal["restart", "exit"] = "restart"  # restart the pool, or end the engine (non-zero)
 
 
+class SpeculativeSection(Section):
+    """vLLM's --speculative-config: each decode step verifies `num_speculative_tokens` drafts in one target
+    forward (worker/runner.py), greedy or by rejection sampling, so the output is the target's either way.
+    Methods: mtp (V4's MTP layer, `mtp.*`, chained for K > 1; vLLM's older name deepseek_mtp is taken too),
+    ngram (vLLM's prompt lookup: the tokens after the latest earlier match of the longest suffix of
+    prompt_lookup_min..prompt_lookup_max tokens), dspark (V4-Flash-0731 / V4.1 draft layers: not built yet,
+    contract/features.py refuses it)."""
+
+    method: Literal["mtp", "ngram", "dspark"]
+    num_speculative_tokens: int = Field(gt=0, le=15)
+    prompt_lookup_min: int | None = Field(default=None, gt=0)  # ngram only; default 1
+    prompt_lookup_max: int | None = Field(default=None, gt=0)  # ngram only; default max(4, prompt_lookup_min)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _vllm_names(cls, value: Any) -> Any:
+        return "mtp" if value == "deepseek_mtp" else value
+
+    @model_validator(mode="after")
+    def _lookup_sizes(self) -> "SpeculativeSection":
+        sizes = (self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.method != "ngram" and sizes != (None, None):
+            raise ValueError(f"prompt_lookup_min / prompt_lookup_max are for method ngram, not {self.method}")
+        if self.method == "ngram" and self.lookup_sizes[0] > self.lookup_sizes[1]:
+            raise ValueError(f"prompt_lookup_min {self.lookup_sizes[0]} is above prompt_lookup_max {self.lookup_sizes[1]}")
+        return self
+
+    @property
+    def lookup_sizes(self) -> tuple[int, int]:
+        """ngram's (min, max) suffix lengths, defaults filled in."""
+        low = self.prompt_lookup_min or 1
+        return low, self.prompt_lookup_max or max(4, low)
+
+
 class RuntimeSection(Section):
     deterministic: bool = False
     # decode steps replay CUDA graphs on the GPU (worker/cuda_graphs.py); true: every step eager, as vLLM's flag
     enforce_eager: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # vLLM's --speculative-config (e.g. {method: mtp, num_speculative_tokens: 2}); anything but empty is
-    # refused until speculative decoding is built (contract/features.py)
-    speculative_config: dict[str, Any] | None = None
+    # vLLM's --speculative-config (e.g. {method: mtp, num_speculative_tokens: 2}); {} or null: none
+    speculative_config: SpeculativeSection | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == {} else value
 
 
 # the names of engram_store/build.py's RESIDENCIES registry (contract/ cannot import it: a test keeps them equal)

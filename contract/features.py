@@ -2,9 +2,8 @@
 
 Two kinds, because `python -m server plan` treats them differently:
 - *plannable*: `plan` computes the rig and lists them under "needs"; serving refuses them. FP8 / MXFP4
-  weights kept as stored were one until issue 8 built them; speculative decoding (vLLM's
-  --speculative-config) is one now: its plan is the rig's without the draft (the MTP layer's weights and
-  the verification steps are not counted).
+  weights kept as stored were one until issue 8 built them; DSpark drafting (--speculative-config's
+  method dspark) is one now: its plan is the rig's without the draft layers.
 - *unplannable*: offload, whose split between GPU, host RAM and NVMe is not designed yet. Nothing can
   be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does serving.
 Each entry names the YAML key, so the message says what to change. The issues that bring a feature
@@ -34,8 +33,8 @@ def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     if config.offload.experts != "none":
         found.append(Unbuilt("offload.experts",
                              f"{config.offload.experts!r}: expert offload is not built yet (a later issue)", False))
-    if config.runtime.speculative_config:  # vLLM's --speculative-config; {} or null asks for nothing
-        method = config.runtime.speculative_config.get("method", "a draft method")
-        found.append(Unbuilt("runtime.speculative_config (--speculative-config)",
-                             f"{method!r}: speculative decoding is not built yet (a later issue); leave it out", True))
+    speculative = config.runtime.speculative_config
+    if speculative is not None and speculative.method == "dspark":
+        found.append(Unbuilt("runtime.speculative_config.method (--speculative-config)",
+                             "'dspark': DSpark's draft layers are not built yet (issue 27); use mtp or ngram", True))
     return found

@@ -26,6 +26,25 @@ class StepTokens:
 
 
 @dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's counts since start, as vLLM's spec_decode metrics count them: verify
+    chunks that carried drafts, the drafts they carried, the drafts accepted, and how many chunks
+    accepted a draft at each position (0 = the first draft)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def add(self, carried: int, accepted: int) -> SpecDecodeCounts:
+        per_position = list(self.accepted_per_position) + [0] * max(0, carried - len(self.accepted_per_position))
+        for position in range(accepted):
+            per_position[position] += 1
+        return SpecDecodeCounts(self.drafts + 1, self.draft_tokens + carried, self.accepted_tokens + accepted,
+                                tuple(per_position))
+
+
+@dataclass(frozen=True)
 class EngramStats:
     """The Engram row store's counters since start: rows served per tier, disk reads, and how long
     Engram layers waited for their rows (`wait_buckets`: cumulative counts per PREFETCH_WAIT_BUCKETS edge)."""
@@ -62,5 +81,6 @@ class EngineStats:
     steps: int = 0
     last_step_tokens: int = 0
     step_tokens: StepTokens = StepTokens()
+    spec: SpecDecodeCounts = SpecDecodeCounts()  # speculative decoding, since start
     engram: EngramStats | None = None  # None: the model has no tiered Engram store
     unhealthy: str | None = None  # why the executor cannot run steps now (a tensor-parallel restart)

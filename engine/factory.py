@@ -51,6 +51,7 @@ from models.dummy_weights import build_dummy_model
 from models.host_tier import HostTierSpec
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
+from worker.proposers import DraftProposer, build_proposer
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool, external_rank_main
 
@@ -137,6 +138,7 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     check_tokenizer(config, model_config)
     check_block_tokens(config, model_config)
     check_kv_cache_dtype(config, model_config)
+    check_speculative(config, model_config)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     records = prefix_records(config, model_config, dtype, max_len)
@@ -214,6 +216,38 @@ def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> No
         else:
             log.info("memory.kv_cache_dtype fp8: compressed KV entries and index keys as float8_e4m3fn with a"
                      " scale per 64 channels, the entries' RoPE channels in bf16 (lossy, as vLLM's fp8)")
+
+
+def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
+    """--speculative-config against the model: V4.1 verifies no drafts yet (its cache refuses the spare
+    rows: Engram look-back and shared-store groups are not rolled back), and mtp needs the checkpoint's
+    MTP layer."""
+    speculative = config.runtime.speculative_config
+    if speculative is None:
+        return
+    if model_config.is_v41:
+        raise EngineConfigError(
+            f"runtime.speculative_config (--speculative-config) method {speculative.method}: {config.model_dir} is"
+            " DeepSeek-V4.1, whose drafts cannot be rolled back yet (issue 27); serve it without speculation")
+    if speculative.method == "mtp" and not model_config.num_nextn_predict_layers:
+        raise EngineConfigError(
+            f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir}'s config.json has no"
+            " MTP layer (num_nextn_predict_layers 0); use method ngram")
+
+
+def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftProposer | None:
+    """The runner's draft proposer (None without --speculative-config)."""
+    speculative = config.runtime.speculative_config
+    if speculative is None:
+        return None
+    low, high = speculative.lookup_sizes
+    return build_proposer(speculative.method, model, config.scheduler.max_num_seqs, max_model_len(config, model.config),
+                          speculative.num_speculative_tokens, prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def draft_tokens(config: "ServeConfig") -> int:
+    speculative = config.runtime.speculative_config
+    return speculative.num_speculative_tokens if speculative is not None else 0
 
 
 def hot_tokens(config: "ServeConfig") -> int | None:
@@ -364,6 +398,7 @@ def build_runner(
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
         prefix_tiers=tiers, prefix_dir=prefix_dir(config), rank=tp.rank if tp is not None else 0,
+        draft_tokens=draft_tokens(config), proposer=build_proposer_for(config, model),
     )
     return runner, memory_plan
 
@@ -373,11 +408,13 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     """This rank's model: read from the checkpoint (model.load_format auto) or drawn (dummy), held as
     model.quantization says."""
     held_as_stored = config.model.quantization == "checkpoint"
+    speculative = config.runtime.speculative_config
+    mtp = speculative is not None and speculative.method == "mtp"  # the MTP layer drafts
     if config.model.load_format == "dummy":
         return build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
-                                 engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config))
+                                 engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
     return load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp,
-                      keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config))
+                      keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:
@@ -391,6 +428,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
+        draft_tokens=draft_tokens(config), proposer=build_proposer_for(config, model),  # verify graphs, MTP cache
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets

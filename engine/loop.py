@@ -125,7 +125,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
             prefix_gpu_points=s.prefix_points, prefix_host_points=s.host_points, prefix_disk_points=s.disk_points,
             prefix_host_hits=s.host_hit_tokens, prefix_disk_hits=s.disk_hit_tokens, prefix_fetch_failures=s.fetch_failures,
-            step_tokens=self.step_tokens, engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
+            step_tokens=self.step_tokens, spec=s.spec, engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
         )
 
     def submit(self, request: NewRequest) -> None:
@@ -290,7 +290,9 @@ class EngineCore:
         for i, chunk in enumerate(chunks):
             if chunk.sample and self.structured.constrained(chunk.request_id):
                 try:
-                    chunks[i] = dataclasses.replace(chunk, token_bitmask=self.structured.bitmask(chunk.request_id))
+                    # a bitmask constrains the first draw only: the drafts after it are not verified under the grammar
+                    chunks[i] = dataclasses.replace(chunk, token_bitmask=self.structured.bitmask(chunk.request_id),
+                                                    draft_token_ids=())
                 except Exception as exc:  # GrammarError, or a compile that failed otherwise
                     errors[chunk.request_id] = f"structured output: {exc}"
         return dataclasses.replace(plan, chunks=tuple(chunks)), errors

@@ -43,6 +43,9 @@ class Request:
     chunks_in_flight: int = 0
     draws_in_flight: int = 0
     unconfirmed: list[tuple[int, StatePoint]] = field(default_factory=list)
+    # speculative decoding: the drafts the worker proposed to follow the last token (its last landed
+    # result's `proposed`); the next decode chunk verifies as many as fit
+    drafts: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:

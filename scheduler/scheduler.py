@@ -33,6 +33,7 @@ serial loop) all of this reduces to schedule -> execute -> update as before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -45,6 +46,7 @@ from contract import (
     NewRequest,
     RequestOutput,
     ScheduledChunk,
+    SpecDecodeCounts,
     StateCopy,
     StepPlan,
     StepResult,
@@ -81,6 +83,8 @@ class SchedulerStats:
     host_hit_tokens: int = 0  # of prefix_hit_tokens, those loaded from host (since start)
     disk_hit_tokens: int = 0  # and those fetched from disk first
     fetch_failures: int = 0  # fetches that failed verification or the read (the request recomputed)
+    spec: SpecDecodeCounts = SpecDecodeCounts()  # since start
+
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Scheduler:
         self.pending_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
         self.last_step_tokens = 0
+        self.spec = SpecDecodeCounts()
         self.prefix: PrefixCache | None = None
         if limits.prefix_snapshots:
             snapshots = list(range(limits.max_num_seqs, limits.max_num_seqs + limits.prefix_snapshots))
@@ -179,11 +184,12 @@ class Scheduler:
             if request not in self.running or not self._may_schedule(request):  # preempted earlier in this step
                 continue
             length = self._chunk_length(request, budget)
-            if not self._reserve(request, length, scheduled):
+            drafts = self._drafts(request, length, budget)
+            if not self._reserve(request, length + len(drafts), scheduled):
                 continue  # the request itself was preempted
-            chunks.append(self._launch(request, budget, pointed))
+            chunks.append(self._launch(request, budget, pointed, drafts))
             scheduled.add(request.request_id)
-            budget -= length
+            budget -= length + len(drafts)
         index = 0
         while index < len(self.waiting) and self.blocks.has_slot() and budget > 0:
             request = self.waiting[index]
@@ -234,9 +240,26 @@ class Scheduler:
         outputs = len(request.output_token_ids) + request.draws_in_flight
         return outputs < request.params.max_tokens and request.num_tokens < self.limits.max_model_len
 
-    def _launch(self, request: Request, budget: int, pointed: list[Request]) -> ScheduledChunk:
-        """The request's next chunk, counted as computed from now on (a later plan runs after it)."""
-        chunk = self._chunk(request, budget)
+    def _drafts(self, request: Request, length: int, budget: int) -> tuple[int, ...]:
+        """The proposed drafts the request's next chunk verifies: only a decode chunk's (its one token the
+        last known one), cut so that every draft accepted and the token drawn after them still fit the
+        step's token budget, max_tokens and max_model_len (its pages are reserved with the chunk's).
+        None while min_tokens holds eos back (the ban is the first draw's, not the later positions')."""
+        drafts = request.drafts
+        if not drafts or length != 1 or request.chunks_in_flight or request.num_computed_tokens + 1 != request.num_tokens:
+            return ()
+        params = request.params
+        if len(request.output_token_ids) < params.min_tokens:
+            return ()
+        room = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
+                   self.limits.max_model_len - request.num_tokens - 1)
+        return drafts[: max(room, 0)]
+
+    def _launch(self, request: Request, budget: int, pointed: list[Request],
+                drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+        """The request's next chunk (verifying `drafts`), counted as computed from now on (a later plan
+        runs after it); accepted drafts count when its result lands."""
+        chunk = dataclasses.replace(self._chunk(request, budget), draft_token_ids=drafts)
         request.num_computed_tokens += len(chunk.token_ids)
         request.chunks_in_flight += 1
         self.launched[request.request_id] = request
@@ -397,6 +420,7 @@ class Scheduler:
         self.running.remove(request)
         self.pending_prompt_logprobs.pop(request.request_id, None)
         request.status, request.slot, request.num_computed_tokens = RequestStatus.WAITING, None, 0
+        request.drafts = ()  # the resumed prefill proposes afresh
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -446,6 +470,9 @@ class Scheduler:
                 continue
             self._confirm_points(request, chunk.position + len(chunk.token_ids))
             request.num_computed_tokens += len(chunk_result.accepted)  # drafts were computed too
+            if chunk.draft_token_ids:
+                self.spec = self.spec.add(len(chunk.draft_token_ids), len(chunk_result.accepted))
+            request.drafts = chunk_result.proposed
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
             # not again when recomputed after preemption, nor for a chunk that ran before the request was preempted
             if chunk.params.prompt_logprobs is not None and in_prompt and request.status is RequestStatus.RUNNING:
@@ -644,7 +671,7 @@ class Scheduler:
             host_points=len(tiers.host.points) if tiers is not None else 0,
             disk_points=len(disk.points) if disk is not None else 0,
             host_hit_tokens=self.host_hit_tokens, disk_hit_tokens=self.disk_hit_tokens,
-            fetch_failures=tiers.fetch_failures if tiers is not None else 0,
+            fetch_failures=tiers.fetch_failures if tiers is not None else 0, spec=self.spec,
         )
 
     def check_integrity(self) -> None:

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     group("--enforce-eager", action="store_const", const=True, help=config_help(
         "enforce_eager", "no CUDA graphs: every decode step runs eagerly"))
     group("--speculative-config", action=JsonObject, metavar="JSON", help=config_help(
-        "speculative_config", "vLLM's speculative decoding; not built in this version: refused unless {} or null"))
+        "speculative_config", "vLLM's speculative decoding, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'"
+        " (methods mtp, ngram with prompt_lookup_min / prompt_lookup_max; dspark is not built yet)"))
     group("--language-model-only", action="store_true", help="accepted: only the language model is loaded")
     group("--mm-encoder-tp-mode", metavar="MODE", help="not built: no vision encoder is loaded")
     group("--kv-transfer-config", action=JsonObject, metavar="JSON",

@@ -282,6 +282,7 @@ class EngineCollector(Collector):
             if self.engine.stats is not None:  # the page count is known once the engine reported
                 yield self._cache_config(prefix, stats)
             yield step_tokens_figure(prefix, stats, labels)
+            yield accepted_per_position_figure(prefix, stats, labels)
         yield from engram_figures(stats.engram or EngramStats(), labels)  # zeros without a tiered store
         yield from prefix_tier_figures(stats, labels)
 
@@ -307,6 +308,9 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
         (counter, "num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions),
         (counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries),
         (counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+        (counter, "spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec.drafts),
+        (counter, "spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec.draft_tokens),
+        (counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec.accepted_tokens),
     ]
     if prefix == "ds4serve":
         figures += [
@@ -317,6 +321,15 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
     else:  # vLLM's name before 0.9, still read by older dashboards
         figures.append((gauge, "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)))
     return figures
+
+
+def accepted_per_position_figure(prefix: str, stats: EngineStats, labels: list[str]) -> CounterMetricFamily:
+    """vLLM's accepted drafts by position (0: the first draft), one series a position drafted so far."""
+    family = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+    for position, count in enumerate(stats.spec.accepted_per_position):
+        family.add_metric([*labels, str(position)], count)
+    return family
 
 
 def step_tokens_figure(prefix: str, stats: EngineStats, labels: list[str]) -> HistogramMetricFamily:

@@ -164,13 +164,15 @@ class ModelRunner:
         defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py). `draft_tokens`: the
         most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
         the module docstring). `proposer`: proposes each sampling request's next drafts after a step
-        (worker/proposers.py; one that reads the streams turns the decode graphs off)."""
+        (worker/proposers.py; the verify graphs keep the streams an MTP proposer reads). A proposer turns
+        pending inputs off: its drafts come from a step's result, so a decode's next chunk waits for it."""
         self.model = model
         self.proposer = proposer
         self.tp = tp
         self.deterministic = deterministic
         self.draft_tokens = draft_tokens
-        self.pending_inputs = model.config.engram is None  # Engram rows are hashed from host tokens
+        # Engram rows are hashed from host tokens; drafts are proposed from a landed step
+        self.pending_inputs = model.config.engram is None and proposer is None
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)

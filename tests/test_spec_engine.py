@@ -1,0 +1,164 @@
+"""Speculative decoding through the engine (issue 27): --speculative-config and its YAML key, the
+scheduler handing each request's proposed drafts to its next decode chunk (cut to the budget,
+max_tokens, max_model_len; none for prompts, under min_tokens' eos ban or after preemption), vLLM's
+spec-decode counters, and a served V4 model answering the official openai client with the tokens and
+logprobs it gives without speculation (deterministic mode: bitwise) for MTP and n-gram drafts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+
+import httpx
+import openai
+import pytest
+
+from contract import ChunkResult, EngineLimits, NewRequest, SamplingParams, StepResult, TokenLogprob
+from contract.config import ConfigFileError, load_config
+from contract.features import unbuilt_features
+from models.tiny import build_tiny_checkpoint
+from scheduler.scheduler import Scheduler
+from tests.serving import running_server
+
+PROMPT = (5, 9, 2, 7, 11, 3, 8)
+
+
+def spec(**fields) -> dict:
+    return {"runtime.speculative_config": json.dumps(fields)}
+
+
+def config_of(value: object):
+    return load_config(None, [f"runtime.speculative_config={json.dumps(value)}"], {})
+
+
+# -- configuration ------------------------------------------------------------------------------------
+def test_speculative_config_reads_vllms_spellings():
+    mtp = config_of({"method": "deepseek_mtp", "num_speculative_tokens": 3}).runtime.speculative_config
+    assert (mtp.method, mtp.num_speculative_tokens) == ("mtp", 3)
+    ngram = config_of({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}).runtime.speculative_config
+    assert ngram.lookup_sizes == (1, 3)
+    assert config_of({}).runtime.speculative_config is None and config_of(None).runtime.speculative_config is None
+    dspark = config_of({"method": "dspark", "num_speculative_tokens": 7})
+    assert any("dspark" in str(feature) for feature in unbuilt_features(dspark))
+
+
+@pytest.mark.parametrize("value, named", [
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "draft_model"),
+    ({"method": "mtp"}, "num_speculative_tokens"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+])
+def test_a_bad_speculative_config_is_a_config_error_naming_the_key(value, named):
+    with pytest.raises(ConfigFileError) as error:
+        config_of(value)
+    assert "speculative_config" in str(error.value) and named in str(error.value)
+
+
+# -- the scheduler ------------------------------------------------------------------------------------
+def decoding(params: SamplingParams, max_model_len: int = 64, budget: int = 32) -> Scheduler:
+    """A scheduler whose request "r" is past its prompt, its first token 20 drawn and drafts 21..25
+    proposed; `budget`: the steps' token budget from then on."""
+    scheduler = Scheduler(EngineLimits(2, 32, max_model_len, 32, eos_token_ids=(1,)))
+    scheduler.add(NewRequest("r", PROMPT, params))
+    plan = scheduler.schedule()
+    assert plan.chunks[0].draft_token_ids == ()  # a prompt chunk verifies nothing
+    scheduler.update(plan, StepResult((ChunkResult("r", TokenLogprob(20, -1.0), proposed=(21, 22, 23, 24, 25)),)))
+    scheduler.limits = dataclasses.replace(scheduler.limits, max_num_batched_tokens=budget)
+    return scheduler
+
+
+def test_the_proposed_drafts_ride_the_next_decode_chunk_and_count():
+    scheduler = decoding(SamplingParams(max_tokens=20))
+    plan = scheduler.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.token_ids == (20,) and chunk.draft_token_ids == (21, 22, 23, 24, 25)
+    assert scheduler.last_step_tokens == 6  # the drafts take budget
+    assert len(scheduler.blocks.table("r")) * 32 >= len(PROMPT) + 6  # and pages
+    accepted = tuple(TokenLogprob(t, -0.1) for t in (21, 22))
+    (output,) = scheduler.update(plan, StepResult((ChunkResult("r", TokenLogprob(30, -0.2), accepted=accepted,
+                                                               proposed=(31, 32)),)))
+    assert output.new_token_ids == (21, 22, 30)
+    (chunk,) = scheduler.schedule().chunks
+    assert (chunk.token_ids, chunk.position, chunk.draft_token_ids) == ((30,), len(PROMPT) + 3, (31, 32))
+    counts = scheduler.stats().spec
+    assert (counts.drafts, counts.draft_tokens, counts.accepted_tokens) == (1, 5, 2)
+    assert counts.accepted_per_position == (1, 1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("params, limits, kept", [
+    (SamplingParams(max_tokens=4), {}, 2),  # 20 drawn: at most 2 drafts + the token after them
+    (SamplingParams(max_tokens=20), {"max_model_len": len(PROMPT) + 4}, 2),  # 8 tokens now: 2 + 1 more fit
+    (SamplingParams(max_tokens=20), {"budget": 3}, 2),  # the token and 2 drafts
+    (SamplingParams(max_tokens=20, min_tokens=3), {}, 0),  # eos banned for the first draw only: no drafts
+])
+def test_drafts_are_cut_to_what_fits(params, limits, kept):
+    scheduler = decoding(params, **limits)
+    (chunk,) = scheduler.schedule().chunks
+    assert chunk.draft_token_ids == (21, 22, 23, 24, 25)[:kept]
+
+
+def test_a_preempted_request_forgets_its_drafts():
+    scheduler = decoding(SamplingParams(max_tokens=20))
+    (request,) = scheduler.running
+    scheduler._preempt(request)
+    plan = scheduler.schedule()
+    assert plan.chunks[0].position == 0 and plan.chunks[0].draft_token_ids == ()
+    assert request.drafts == ()
+
+
+# -- served: the openai client, with and without speculation ------------------------------------------
+@pytest.fixture(scope="module")
+def v4_with_mtp(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "v4-mtp", seed=5, family="v4",
+                                 num_nextn_predict_layers=1)
+
+
+PROMPTS = ["Hello there", "def main(): return 1 + 2 + 3 + 1 + 2 + 3", "the cat sat on the mat, the cat sat"]
+
+
+def completions(base: str, max_tokens: int = 24) -> list[tuple[list[str], list[float]]]:
+    """Greedy completions of PROMPTS sent at once (a mixed batch), with logprobs: tokens and logprobs."""
+    llm = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+    def one(prompt: str) -> tuple[list[str], list[float]]:
+        reply = llm.completions.create(model="spec", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       logprobs=1)
+        return reply.choices[0].logprobs.tokens, reply.choices[0].logprobs.token_logprobs
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def spec_counter(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"vllm:{name}_total{{") or line.startswith(f"vllm:{name}_total "))
+
+
+def test_served_greedy_with_drafts_is_greedy_without_them(v4_with_mtp):
+    """Deterministic mode, the tiny V4 with its MTP layer, 3 requests at once: MTP (K = 2) and n-gram
+    (K = 3) drafting give the same tokens and bitwise the same logprobs as plain decoding; vLLM's
+    spec-decode counters count the verify chunks, and a request asking for grammar-free sampling too."""
+    common = ("--deterministic", "--max-model-len", "256")
+    with running_server(v4_with_mtp, "spec", *common) as base:
+        plain = completions(base)
+    for method, k in (("mtp", 2), ("ngram", 3)):
+        config = json.dumps({"method": method, "num_speculative_tokens": k})
+        with running_server(v4_with_mtp, "spec", *common, "--speculative-config", config) as base:
+            assert completions(base) == plain, method
+            drafts, tokens = spec_counter(base, "spec_decode_num_drafts"), spec_counter(base, "spec_decode_num_draft_tokens")
+            accepted = spec_counter(base, "spec_decode_num_accepted_tokens")
+            print(f"{method}: {drafts:.0f} verify chunks, {tokens:.0f} drafts, {accepted:.0f} accepted")
+            assert drafts > 0 and drafts <= tokens <= k * drafts and 0 <= accepted <= tokens, (method, drafts, tokens)
+            text = httpx.get(base + "/metrics").text
+            assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in text and 'position="0"' in text
+
+
+def test_the_v41_default_refuses_speculation_naming_the_flag():
+    from tests.test_cli import run_cli
+
+    result = run_cli("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert result.returncode == 2 and "--speculative-config" in result.stderr and "V4.1" in result.stderr, result.stderr
