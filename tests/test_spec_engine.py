@@ -162,3 +162,65 @@ def test_the_v41_default_refuses_speculation_naming_the_flag():
 
     result = run_cli("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
     assert result.returncode == 2 and "--speculative-config" in result.stderr and "V4.1" in result.stderr, result.stderr
+
+
+def metric(base: str, name: str) -> float:
+    """A vllm: counter or gauge's value summed over its series."""
+    text = httpx.get(base + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} "))
+
+
+# ~200-token prompts: their first 128-token page is a prefix-cache point the second round hits
+LONG_PROMPTS = [f"{i}: " + " ".join(PROMPTS) * 4 for i in range(3)]
+
+
+def stressed_workload(base: str) -> dict[str, object]:
+    """What a served model answers under pressure, in a fixed order: 3 long greedy requests at once on
+    too few KV pages (preemption), one of them twice more alone (prefix-cache hits), a seeded sampled request, and a
+    greedy request beside a stream the client drops after 3 chunks (an abort)."""
+    llm = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+    def greedy(prompt: str, max_tokens: int = 150) -> tuple[list[str], list[float]]:
+        reply = llm.completions.create(model="spec", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       logprobs=1, extra_body={"ignore_eos": True})
+        return reply.choices[0].logprobs.tokens, reply.choices[0].logprobs.token_logprobs
+
+    def dropped_stream() -> None:
+        stream = llm.completions.create(model="spec", prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        for index, _ in enumerate(stream):
+            if index == 2:
+                stream.close()
+                return
+
+    out: dict[str, object] = {}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        out["crowded"] = list(pool.map(greedy, LONG_PROMPTS))
+        out["again"] = [greedy(LONG_PROMPTS[0], 20), greedy(LONG_PROMPTS[0], 20)]  # the second hits the first's point
+        sampled = llm.completions.create(model="spec", prompt=PROMPTS[1], max_tokens=40, temperature=0.8, seed=7,
+                                         extra_body={"ignore_eos": True})
+        out["seeded"] = sampled.choices[0].text
+        beside = pool.submit(greedy, PROMPTS[0], 60)
+        pool.submit(dropped_stream).result()
+        out["beside_abort"] = beside.result()
+    return out
+
+
+def test_served_speculation_keeps_its_tokens_through_preemption_prefix_hits_aborts_and_seeds(v4_with_mtp):
+    """The same workload on a plain and a drafting server (MTP, K = 3; deterministic mode; 7 KV pages of
+    128 tokens where the 3 requests at once need 9): every greedy reply the same tokens and bitwise
+    logprobs, the seeded sampled reply the same text (draws keyed by their index, not the drafts), and
+    both servers preempted and hit their prefix cache, so those paths ran."""
+    common = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=7", "--max-num-seqs", "3")
+    results = {}
+    for name, extra in (("plain", ()), ("mtp", ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'))):
+        with running_server(v4_with_mtp, "spec", *common, *extra) as base:
+            results[name] = stressed_workload(base)
+            preempted, hits = metric(base, "num_preemptions_total"), metric(base, "prefix_cache_hits_total")
+            print(f"{name}: {preempted:.0f} preemptions, {hits:.0f} prefix-hit tokens, "
+                  f"{metric(base, 'spec_decode_num_drafts_total'):.0f} verify chunks")
+            assert preempted > 0 and hits > 0, name
+            assert httpx.get(base + "/health").status_code == 200
+    for key in results["plain"]:
+        assert results["mtp"][key] == results["plain"][key], key
