@@ -156,6 +156,10 @@ class SpeculativeSection(Section):
     num_speculative_tokens: int = Field(gt=0, le=15)
     prompt_lookup_min: int | None = Field(default=None, gt=0)  # ngram only; default 1
     prompt_lookup_max: int | None = Field(default=None, gt=0)  # ngram only; default max(4, prompt_lookup_min)
+    # ds4serve's: each step verifies the number of drafts (0 .. num_speculative_tokens) with the most
+    # expected tokens per second, from measured acceptance and step cost (scheduler/spec_policy.py);
+    # false: always num_speculative_tokens, as vLLM
+    adaptive: bool = True
 
     @field_validator("method", mode="before")
     @classmethod

@@ -160,6 +160,9 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     vocabulary = GrammarVocabulary(tokenizer_dir(config) / TOKENIZER, model_config.vocab_size,
                                    model_config.eos_token_ids, model_config.model_type)
     scheduler = Scheduler(limits)
+    speculative = config.runtime.speculative_config
+    if speculative is None or not speculative.adaptive:
+        scheduler.spec_policy = None  # every proposed draft is verified (or none is proposed)
     catalog = seed_disk_tier(scheduler, tiers, prefix_dir(config), *disk) if disk is not None else None
     engine = EngineCore(scheduler, pool, on_outputs, StructuredOutputs(vocabulary), catalog,
                         overlap=config.scheduler.async_scheduling)

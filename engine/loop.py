@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract import (
@@ -72,6 +72,7 @@ class InFlight:
     step: LaunchedStep | None  # None: the launch itself raised `error`
     grammar_errors: dict[str, str]
     error: Exception | None = None
+    launched_at: float = field(default_factory=time.perf_counter)
 
 
 class EngineCore:
@@ -269,6 +270,8 @@ class EngineCore:
             log.exception("step failed")
             outputs, ok = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), False
         else:
+            if not self.overlap:  # a serial step's launch-to-land time is its cost
+                self.scheduler.observe_step(launched.plan.num_tokens, time.perf_counter() - launched.launched_at)
             outputs, ok = self.scheduler.update(launched.plan, _failing(result, launched.grammar_errors)), True
         self.steps += 1
         self._match(outputs)

@@ -59,6 +59,7 @@ from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.prefix_cache import PrefixCache, StatePoint, block_chain
 from scheduler.prefix_tiers import DiskEntry, PrefixTiers, TierPoint
 from scheduler.request import Request, RequestStatus
+from scheduler.spec_policy import SpeculationPolicy
 
 log = logging.getLogger("ds4serve.scheduler")
 
@@ -106,6 +107,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_step_tokens = 0
         self.spec = SpecDecodeCounts()
+        # how many of the proposed drafts a decode chunk verifies (None: all of them, vLLM's fixed K)
+        self.spec_policy: SpeculationPolicy | None = SpeculationPolicy.fresh()
         self.prefix: PrefixCache | None = None
         if limits.prefix_snapshots:
             snapshots = list(range(limits.max_num_seqs, limits.max_num_seqs + limits.prefix_snapshots))
@@ -253,7 +256,15 @@ class Scheduler:
             return ()
         room = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
                    self.limits.max_model_len - request.num_tokens - 1)
+        if self.spec_policy is not None:
+            room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts)))
         return drafts[: max(room, 0)]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step that forwarded `rows` tokens took `seconds` from launch to landing (serial steps:
+        the engine overlaps none while speculating): the cost the draft policy weighs."""
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(rows, seconds)
 
     def _launch(self, request: Request, budget: int, pointed: list[Request],
                 drafts: tuple[int, ...] = ()) -> ScheduledChunk:
@@ -472,6 +483,8 @@ class Scheduler:
             request.num_computed_tokens += len(chunk_result.accepted)  # drafts were computed too
             if chunk.draft_token_ids:
                 self.spec = self.spec.add(len(chunk.draft_token_ids), len(chunk_result.accepted))
+                if self.spec_policy is not None:
+                    self.spec_policy.observe_verify(len(chunk.draft_token_ids), len(chunk_result.accepted))
             request.drafts = chunk_result.proposed
             in_prompt = chunk.position < len(request.prompt_token_ids) and not request.output_token_ids
             # not again when recomputed after preemption, nor for a chunk that ran before the request was preempted

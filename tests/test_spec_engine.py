@@ -224,3 +224,54 @@ def test_served_speculation_keeps_its_tokens_through_preemption_prefix_hits_abor
             assert httpx.get(base + "/health").status_code == 200
     for key in results["plain"]:
         assert results["mtp"][key] == results["plain"][key], key
+
+
+# -- adaptive K and the fallback to plain decoding ------------------------------------------------------
+def policy_after(fixed_s: float, per_row_s: float, carried: int, accepted: int | tuple[int, ...], verifies: int = 200):
+    """A policy that saw steps costing fixed + per_row x rows (1 to 64 rows) and `verifies` chunks that
+    carried `carried` drafts and accepted the first `accepted` of them (a tuple: in turn)."""
+    accepted = accepted if isinstance(accepted, tuple) else (accepted,)
+    from scheduler.spec_policy import SpeculationPolicy
+
+    policy = SpeculationPolicy.fresh()
+    for rows in range(1, 65):
+        policy.observe_step(rows, fixed_s + per_row_s * rows)
+    for index in range(verifies):
+        policy.observe_verify(carried, accepted[index % len(accepted)])
+    return policy
+
+
+def test_the_policy_verifies_every_draft_until_it_has_measured():
+    from scheduler.spec_policy import SpeculationPolicy
+
+    policy = SpeculationPolicy.fresh()
+    assert policy.draft_count(batch=32, proposed=3) == 3
+    for _ in range(20):
+        policy.observe_step(8, 0.01)  # one step size only: the per-row cost is unknown
+    assert policy.draft_count(batch=32, proposed=3) == 3
+
+
+def test_small_launch_bound_batches_draft_and_large_compute_bound_ones_fall_back():
+    """Costs like the H200 slice's (a step ~1.7 ms at one row, ~0.16 ms a further row) and half the first
+    drafts accepted, no second: one sequence verifies a draft (1.5 tokens for 1.2x the step); 32
+    sequences verify none (their rows cost), except the probes that keep acceptance measured; with
+    every draft accepted 32 sequences draft again."""
+    from scheduler.spec_policy import PROBE_EVERY
+
+    mediocre = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=(0, 1))
+    assert mediocre.draft_count(batch=1, proposed=3) >= 1
+    counts = [mediocre.draft_count(batch=32, proposed=3) for _ in range(4 * PROBE_EVERY)]
+    assert counts.count(1) == 4 and counts.count(0) == 4 * PROBE_EVERY - 4  # a probe every PROBE_EVERY-th
+    perfect = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=3)
+    assert perfect.draft_count(batch=1, proposed=3) == 3 and perfect.draft_count(batch=32, proposed=3) >= 1
+    useless = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=0)
+    assert useless.draft_count(batch=1, proposed=3) == 0 or useless.calls % PROBE_EVERY == 0
+
+
+def test_the_scheduler_cuts_drafts_to_the_policy():
+    scheduler = decoding(SamplingParams(max_tokens=20))
+    scheduler.spec_policy = policy_after(1e-3, 1e-3, carried=5, accepted=0)  # rows costly, drafts useless
+    assert scheduler.schedule().chunks[0].draft_token_ids == ()
+    scheduler = decoding(SamplingParams(max_tokens=20))
+    scheduler.spec_policy = None  # not adaptive: every draft
+    assert scheduler.schedule().chunks[0].draft_token_ids == (21, 22, 23, 24, 25)

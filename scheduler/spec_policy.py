@@ -1,0 +1,117 @@
+"""How many drafts a decode step verifies: adaptive K, and plain decoding when drafting would not pay.
+
+A verify step of B sequences with k drafts each forwards B x (k + 1) rows and yields, per sequence, the
+accepted drafts plus one drawn token. Whether that beats a plain step (B rows, B tokens) depends on
+two things this module measures online instead of assuming:
+- acceptance: of the verify chunks that reached draft position j (every draft before it accepted),
+  the share that accepted it too (`acceptance`); the expected tokens a sequence gains with k drafts is
+  1 + a_0 + a_0 a_1 + ... (the product over the positions before each);
+- step cost: seconds a step takes as a function of the rows it forwards, fit as fixed + per_row x rows
+  by exponentially weighted least squares over the engine's steps (`StepCost`). Small batches are
+  launch-bound (per_row ~ 0: extra rows are nearly free), large ones compute-bound (each row costs).
+Each step takes the k (0 .. the drafts proposed) with the most expected tokens per second for its
+decode batch. Until both are measured (the first steps) it verifies every draft proposed, as vLLM's
+fixed num_speculative_tokens does. While k is 0 every PROBE_EVERY-th step still verifies one draft,
+(one decode chunk in that many, counted per chunk), so acceptance keeps being measured and drafting
+comes back when the batch shrinks or drafts improve.
+Users reported DSpark costing throughput at saturation on vLLM; this is the guard against that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROBE_EVERY = 16  # while drafting does not pay, one decode chunk in this many still verifies a draft
+MIN_STEPS = 8  # steps observed before the cost fit is trusted
+DECAY = 0.98  # weight of the older steps in the cost fit, per new step (~50 steps remembered)
+
+
+@dataclass
+class StepCost:
+    """seconds ~ fixed + per_row x rows, exponentially weighted least squares over observed steps."""
+
+    weight: float = 0.0
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows2: float = 0.0
+    rows_seconds: float = 0.0
+    steps: int = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.weight = DECAY * self.weight + 1.0
+        self.rows = DECAY * self.rows + rows
+        self.seconds = DECAY * self.seconds + seconds
+        self.rows2 = DECAY * self.rows2 + rows * rows
+        self.rows_seconds = DECAY * self.rows_seconds + rows * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds, None until MIN_STEPS steps of at least two sizes were seen."""
+        if self.steps < MIN_STEPS:
+            return None
+        variance = self.weight * self.rows2 - self.rows * self.rows
+        if variance <= 1e-9 * max(1.0, self.rows2 * self.weight):
+            return None  # every step the same size: the slope is unknown
+        per_row = max(0.0, (self.weight * self.rows_seconds - self.rows * self.seconds) / variance)
+        fixed = max(0.0, (self.seconds - per_row * self.rows) / self.weight)
+        return fixed, per_row
+
+
+@dataclass
+class SpeculationPolicy:
+    """The drafts each decode step verifies (see the module docstring)."""
+
+    cost: StepCost
+    reached: list[int]  # per draft position: verify chunks whose drafts before it were all accepted
+    passed: list[int]  # of those, the chunks that accepted the draft at it too
+    calls: int = 0
+
+    @classmethod
+    def fresh(cls) -> SpeculationPolicy:
+        return cls(StepCost(), [], [])
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step that forwarded `rows` tokens (drafts included) took `seconds`."""
+        if rows > 0:
+            self.cost.observe(rows, seconds)
+
+    def observe_verify(self, carried: int, accepted: int) -> None:
+        """A verify chunk carried `carried` drafts and accepted the first `accepted`."""
+        grow = carried - len(self.reached)
+        if grow > 0:
+            self.reached += [0] * grow
+            self.passed += [0] * grow
+        for position in range(min(carried, accepted + 1)):
+            self.reached[position] += 1
+            if position < accepted:
+                self.passed[position] += 1
+
+    def acceptance(self, position: int) -> float:
+        """Share of chunks reaching `position` that accepted its draft (a flat prior before any did)."""
+        reached = self.reached[position] if position < len(self.reached) else 0
+        passed = self.passed[position] if position < len(self.passed) else 0
+        return (passed + 1) / (reached + 2)
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a sequence gains from a verify step with `drafts` drafts (1 with none)."""
+        total, reach = 1.0, 1.0
+        for position in range(drafts):
+            reach *= self.acceptance(position)
+            total += reach
+        return total
+
+    def draft_count(self, batch: int, proposed: int) -> int:
+        """Drafts (0 .. `proposed`) a sequence of a `batch`-sequence decode step verifies now."""
+        if proposed <= 0:
+            return 0
+        fit = self.cost.fit()
+        if fit is None:
+            return proposed
+        fixed, per_row = fit
+        rates = [batch * self.expected_tokens(k) / (fixed + per_row * batch * (k + 1) + 1e-12)
+                 for k in range(proposed + 1)]
+        best = max(range(proposed + 1), key=lambda k: (rates[k], -k))
+        if best == 0:
+            self.calls += 1
+            return 1 if self.calls % PROBE_EVERY == 0 else 0
+        return best
