@@ -36,10 +36,12 @@ from models.loader import (
 )
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.mtp import attach_mtp
 from models.released_format import stored_fp8
 
 # (kind, name fragments), first match wins; names are transformers' module names (models/).
 KINDS = (
+    ("MTP draft layer", ("mtp.",)),  # speculative decoding's (--speculative-config method mtp)
     ("routed experts", (".mlp.experts.",)),
     ("shared expert", (".mlp.shared_experts.",)),
     ("router", (".mlp.gate.",)),
@@ -96,10 +98,14 @@ def kind_of(name: str) -> str:
     return next(kind for kind, fragments in KINDS if any(f in name for f in fragments))
 
 
-def meta_model(config: ModelConfig) -> torch.nn.Module:
-    """The serving model with every tensor on the meta device: shapes and dtypes, no storage."""
+def meta_model(config: ModelConfig, mtp: bool = False) -> torch.nn.Module:
+    """The serving model with every tensor on the meta device: shapes and dtypes, no storage; with
+    `mtp`, its MTP draft layers too (as load_model(mtp=True) attaches them)."""
     with torch.device("meta"):
-        return DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
+        model = DeepseekV41(config) if config.is_v41 else DeepseekV4(config)
+        if mtp:
+            attach_mtp(model)
+    return model
 
 
 def meta_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -121,15 +127,16 @@ def stored_bytes(name: str, tensor: torch.Tensor, fmt: StoredFormat, dtype: torc
 
 
 def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype,
-                   load_format: str = "auto") -> tuple[ModelConfig, list[WeightTensor]]:
-    """Every weight of the model that `config_json` describes, with its bytes in the held format."""
+                   load_format: str = "auto", mtp: bool = False) -> tuple[ModelConfig, list[WeightTensor]]:
+    """Every weight of the model that `config_json` describes (`mtp`: its MTP layers too), with its
+    bytes in the held format."""
     model_config = ModelConfig.from_file(config_json)
     fmt = None
     if quantization == "checkpoint":
         default = RELEASED if load_format == "dummy" else None
         fmt = StoredFormat.of(json.loads(config_json.read_text()), config_json, default)
     out = []
-    for name, tensor in meta_tensors(meta_model(model_config)):
+    for name, tensor in meta_tensors(meta_model(model_config, mtp)):
         if fmt is None:
             nbytes = tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
         else:

@@ -275,3 +275,21 @@ def test_the_scheduler_cuts_drafts_to_the_policy():
     scheduler = decoding(SamplingParams(max_tokens=20))
     scheduler.spec_policy = None  # not adaptive: every draft
     assert scheduler.schedule().chunks[0].draft_token_ids == (21, 22, 23, 24, 25)
+
+
+def test_the_plan_counts_the_mtp_layer_when_it_drafts(v4_with_mtp):
+    """`python -m server plan` with --speculative-config method mtp holds the MTP layer's weights as the
+    engine loads them (a kind of their own); without it, as before."""
+    from engine.memory_plan import model_bytes
+    from engine.plan import build_plan
+    from models import load_model
+    from tests.test_deploy_plan import rig
+
+    for drafting in (False, True):
+        overrides = [f"model.path={v4_with_mtp}"]
+        if drafting:
+            overrides.append('runtime.speculative_config={"method": "mtp", "num_speculative_tokens": 2}')
+        config, path, config_json = rig("cpu-tiny", *overrides)
+        plan = build_plan(config, path, config_json)
+        assert plan.weights_bytes == model_bytes(load_model(v4_with_mtp, mtp=drafting))
+        assert any(t.kind == "MTP draft layer" for t in plan.weights) == drafting
