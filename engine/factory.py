@@ -222,16 +222,15 @@ def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> No
 
 
 def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """--speculative-config against the model: V4.1 verifies no drafts yet (its cache refuses the spare
-    rows: Engram look-back and shared-store groups are not rolled back), and mtp needs the checkpoint's
-    MTP layer."""
+    """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
+    have (V4.1 drafts with DSpark's layers, not built yet, or ngram)."""
     speculative = config.runtime.speculative_config
     if speculative is None:
         return
-    if model_config.is_v41:
+    if model_config.is_v41 and speculative.method == "mtp":
         raise EngineConfigError(
-            f"runtime.speculative_config (--speculative-config) method {speculative.method}: {config.model_dir} is"
-            " DeepSeek-V4.1, whose drafts cannot be rolled back yet (issue 27); serve it without speculation")
+            f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir} is DeepSeek-V4.1,"
+            " which drafts with DSpark's layers (not built yet, issue 27); use method ngram")
     if speculative.method == "mtp" and not model_config.num_nextn_predict_layers:
         raise EngineConfigError(
             f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir}'s config.json has no"

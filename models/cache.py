@@ -43,8 +43,9 @@ class SharedStore:
     """V4.1 kv-source state: the compressed entries later layers share, their index keys, and the raw
     projections of each slot's still-open group (ratio r > 1 pools r tokens per entry)."""
 
-    raw_kv: torch.Tensor  # [slots, r, head_dim] float32, token p at row p % r (empty ring for r = 1)
-    raw_gate: torch.Tensor  # [slots, r, head_dim] float32
+    # [slots, rows, head_dim] float32, token p at row p % rows (rows: r + draft tokens; empty for r = 1)
+    raw_kv: torch.Tensor
+    raw_gate: torch.Tensor  # [slots, rows, head_dim] float32
     entries: torch.Tensor | PackedPages | TieredPages  # [pages, block_tokens // r, head_dim]; stored fp4-rounded with RoPE
     index_keys: torch.Tensor | PackedPages | None  # [pages, block_tokens // r, index_head_dim] if the source owns keys
 
@@ -203,12 +204,10 @@ class ModelCache:
         rows a rejected draft wrote are never rows a position before it still needs: rolling a slot
         back is only resuming it at the accepted position, with nothing to restore (a rejected draft's
         paged entry is rewritten when the real token closes its window, before any query can see
-        it). V4 only for now: V4.1's shared-store groups and Engram look-back are not draft-safe yet."""
+        it). V4.1's shared stores' open groups get the spare rows too; its Engram look-back is the one
+        state a verify step must put back (EngramMemory.rewind, which the runner calls)."""
         if draft_tokens < 0:
             raise ValueError(f"draft_tokens {draft_tokens}: a count of tokens, >= 0")
-        if draft_tokens and config.is_v41:
-            raise ValueError("draft tokens need V4's draft-safe rings: V4.1's shared-store groups and Engram "
-                             "look-back cannot roll back yet")
         kv_cache_dtype = stored_kv_cache_dtype(config, kv_cache_dtype)
         if kv_cache_dtype == "fp4" and config.is_v41 and not config.simulate_quantization:
             raise ValueError("kv_cache_dtype fp4 is lossless only when V4.1's simulated quantization is on")
@@ -229,7 +228,8 @@ class ModelCache:
             hot = HotRing(num_pages, host_tier.sequences * hot_pages, hot_pages, block_tokens, device)
         codecs = _codecs(config, kv_cache_dtype)
         if config.is_v41:
-            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, hot)
+            layers = cls._v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, hot,
+                                     draft_tokens)
         else:
             layers = cls._v4_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs, draft_tokens)
         context = None
@@ -268,7 +268,7 @@ class ModelCache:
 
     @staticmethod
     def _v41_layers(config, num_slots, num_pages, block_tokens, dtype, device, codecs: tuple[Codec, Codec] | None,
-                    hot: HotRing | None) -> list[LayerCache]:
+                    hot: HotRing | None, draft_tokens: int = 0) -> list[LayerCache]:
         """Every layer keeps a window; only kv sources keep compressed state, which later layers read
         (their entries in the host tier when there is one; index keys stay on the device)."""
         shared = config.shared_compression
@@ -282,11 +282,12 @@ class ModelCache:
 
         layers = []
         for layer in range(config.num_layers):
-            window = torch.zeros(num_slots, config.sliding_window, config.head_dim, dtype=dtype, device=device)
+            window = torch.zeros(num_slots, config.sliding_window + draft_tokens, config.head_dim, dtype=dtype,
+                                 device=device)
             store = None
             if layer in shared.kv_sources:
                 rate = config.compress_rates[layer]
-                ring, per_page = (rate if rate > 1 else 0), block_tokens // rate
+                ring, per_page = (rate + draft_tokens if rate > 1 else 0), block_tokens // rate
                 store = SharedStore(
                     raw_kv=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),
                     raw_gate=torch.zeros(num_slots, ring, config.head_dim, dtype=torch.float32, device=device),

@@ -76,11 +76,13 @@ class SharedCompressor(nn.Module):
         if rate == 1:
             latents = self.kv_norm(self.kv_proj(x))
         else:
-            slots = batch.slots
-            store.raw_kv[slots, positions % rate] = F.linear(x.float(), self.kv_proj.weight.float())
-            store.raw_gate[slots, positions % rate] = F.linear(x.float(), self.gate_proj.weight.float())
-            weights = store.raw_gate[slots].transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
-            latents = self.kv_norm((store.raw_kv[slots] * weights).sum(dim=1).to(x.dtype))
+            slots, ring = batch.slots, store.raw_kv.shape[1]  # ring: rate rows, more with draft rows
+            store.raw_kv[slots, positions % ring] = F.linear(x.float(), self.kv_proj.weight.float())
+            store.raw_gate[slots, positions % ring] = F.linear(x.float(), self.gate_proj.weight.float())
+            rows = (group[:, None] * rate + torch.arange(rate, device=x.device)) % ring  # the group's tokens' rows
+            kv, gate = store.raw_kv[slots[:, None], rows], store.raw_gate[slots[:, None], rows]
+            weights = gate.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
+            latents = self.kv_norm((kv * weights).sum(dim=1).to(x.dtype))
             closes = (positions + 1) % rate == 0
         cos, sin = rope(group * rate)
         entries = self._rounded(store.entries, apply_rope(latents, cos, sin))
@@ -99,15 +101,17 @@ class SharedCompressor(nn.Module):
     ) -> torch.Tensor | None:
         if self.rate == 1:
             return self.kv_norm(self.kv_proj(x))
-        rate, p0, p1 = self.rate, chunk.position, chunk.end_position
+        rate, p0, p1, ring = self.rate, chunk.position, chunk.end_position, store.raw_kv.shape[1]
         kv = F.linear(x.float(), self.kv_proj.weight.float())
         gate = F.linear(x.float(), self.gate_proj.weight.float())
-        open_rows = torch.arange(first * rate, p0, device=x.device) % rate  # earlier tokens of the group the chunk starts in
+        open_rows = torch.arange(first * rate, p0, device=x.device) % ring  # earlier tokens of the group the chunk starts in
         all_kv = torch.cat([store.raw_kv[chunk.slot, open_rows], kv])  # positions [first * rate, p1)
         all_gate = torch.cat([store.raw_gate[chunk.slot, open_rows], gate])
-        tail = torch.arange(max(p0, end * rate), p1, device=x.device)  # tokens of the group left open after the chunk
-        store.raw_kv[chunk.slot, tail % rate] = kv[tail - p0]
-        store.raw_gate[chunk.slot, tail % rate] = gate[tail - p0]
+        # the chunk's last ring-rows tokens (the group left open after it among them): with draft rows, the
+        # group a rejected draft closed is open again where the slot resumes, and its tokens are here
+        tail = torch.arange(max(p0, p1 - ring), p1, device=x.device)
+        store.raw_kv[chunk.slot, tail % ring] = kv[tail - p0]
+        store.raw_gate[chunk.slot, tail % ring] = gate[tail - p0]
         if end == first:
             return None
         n = end - first

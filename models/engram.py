@@ -180,6 +180,13 @@ class EngramMemory:
         context[slots] = torch.tensor(advanced, dtype=context.dtype).to(context.device)
         return torch.cat(per_chunk)
 
+    def rewind(self, context: torch.Tensor, slot: int, before: list[int], tokens: list[int]) -> None:
+        """A verify chunk's slot back at its accepted position (speculative decoding): its look-back is
+        the one `before` the chunk advanced over the `tokens` that stand, not over the rejected drafts
+        the forward hashed too."""
+        _, carried = self.hasher.row_ids(tokens, None, before)
+        context[slot] = torch.tensor(carried, dtype=context.dtype, device=context.device)
+
     def step_row_ids(self, slots: list[int] | torch.Tensor, token_ids: list[int] | torch.Tensor,
                      positions: list[int] | torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """`row_ids` for a decode step (one token per slot), hashed in one vectorised call: the same

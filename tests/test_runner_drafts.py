@@ -1,7 +1,7 @@
 """A runner with draft rows verifies drafts (issue 27 items 2-3, the worker's part): a chunk carries the
 last token and up to K drafts, the runner draws at each position, keeps the drafts while each is the
 token drawn there and reports them with the token drawn after them. Greedy with drafts emits exactly
-the tokens and logprobs of plain greedy decoding (deterministic mode, on CPU, V4's tiny model), whatever
+the tokens and logprobs of plain greedy decoding (deterministic mode, on CPU, V4's and V4.1's tiny models), whatever
 the drafts, and a seeded sampled request emits what the same seed draws without drafts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from contract import SamplingParams, ScheduledChunk, StepPlan, TokenLogprob
-from models import ModelConfig
+from models import ModelConfig, load_model
 from models.random_model import build_random_model
 from models.tiny import tiny_config_dict
 from tests.conftest import random_tokens
@@ -20,8 +20,12 @@ DRAFTS = 3
 PROMPT = tuple(random_tokens(29, seed=1))
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def model(request, checkpoints):
+    """V4's tiny model, and the tiny V4.1 (its Engram look-back rewound after a rejected draft, its shared
+    stores' open groups in rings with spare rows)."""
+    if request.param == "v41":
+        return load_model(checkpoints["v41"])
     return build_random_model(ModelConfig.from_dict(tiny_config_dict()), torch.float32, "cpu", seed=0)
 
 

@@ -157,11 +157,26 @@ def test_served_greedy_with_drafts_is_greedy_without_them(v4_with_mtp):
             assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in text and 'position="0"' in text
 
 
-def test_the_v41_default_refuses_speculation_naming_the_flag():
+def test_the_v41_default_refuses_mtp_naming_the_flag():
     from tests.test_cli import run_cli
 
-    result = run_cli("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
-    assert result.returncode == 2 and "--speculative-config" in result.stderr and "V4.1" in result.stderr, result.stderr
+    result = run_cli("serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    assert result.returncode == 2 and "--speculative-config" in result.stderr and "ngram" in result.stderr, result.stderr
+
+
+def test_served_v41_with_ngram_drafts_is_greedy_without_them(checkpoints):
+    """The tiny V4.1 (Engram, shared kv sources): n-gram drafts (K = 3) through the openai client give
+    plain greedy's tokens and bitwise logprobs in deterministic mode, 3 requests at once, with some
+    drafts accepted (the rolled-back Engram look-back and shared-store groups are then exercised)."""
+    common = ("--deterministic", "--max-model-len", "256")
+    with running_server(checkpoints["v41"], "spec", *common) as base:
+        plain = completions(base, max_tokens=40)
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})  # timing-free K
+    with running_server(checkpoints["v41"], "spec", *common, "--speculative-config", config) as base:
+        assert completions(base, max_tokens=40) == plain
+        drafts, accepted = spec_counter(base, "spec_decode_num_draft_tokens"), spec_counter(base, "spec_decode_num_accepted_tokens")
+        print(f"v41 ngram: {drafts:.0f} drafts, {accepted:.0f} accepted")
+        assert drafts > accepted > 0  # some drafts passed, some were rolled back
 
 
 def metric(base: str, name: str) -> float:

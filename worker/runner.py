@@ -28,11 +28,14 @@ runner forwards them after the chunk's token, draws at every position and keeps 
 is the token drawn there (`_verify`), reporting them as `accepted`. Rolling back a rejected draft needs
 nothing: a forward moves each slot's fixed state (window rings, compressor groups) past every token it
 computes, and a cache allocated with `draft_tokens` (ModelCache.allocate) gives those rings that many
-spare rows, so the slot simply resumes at the accepted position (tests/test_draft_rollback.py; V4 only:
-V4.1's shared-store groups and Engram look-back are next). With a `proposer` (worker/proposers.py) the
-runner then asks it for each sampling request's next drafts, reported as ChunkResult.proposed. With
-graphs, verify chunks replay verify graphs (worker/cuda_graphs.py: 1 + draft_tokens rows a sequence,
-wave-major, a step's plain decodes padded alongside), which also keep the streams an MTP proposer reads.
+spare rows, so the slot simply resumes at the accepted position (tests/test_draft_rollback.py). V4.1's
+Engram look-back is the exception: it is a slot's last tokens, so a verify chunk that rejected a draft
+puts the look-back it had before back, advanced over the tokens that stand (EngramMemory.rewind). With a
+`proposer` (worker/proposers.py) the runner then asks it for each sampling request's next drafts,
+reported as ChunkResult.proposed. With graphs, verify chunks replay verify graphs (worker/cuda_graphs.py:
+1 + draft_tokens rows a sequence, wave-major, a step's plain decodes padded alongside), which also keep
+the streams an MTP proposer reads; V4.1's drafting steps run eagerly (its decode path takes one row a
+sequence).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class StepContext:
     streams: dict[str, torch.Tensor] = field(default_factory=dict)
     proposed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the proposer's next drafts
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    look_backs: dict[str, list[int]] = field(default_factory=dict)  # V4.1: a drafting chunk's Engram look-back before it
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,9 @@ class ModelRunner:
             scratch_slot = num_slots + snapshot_slots
             scratch_page = num_pages if num_pages is not None else int(self.cache.default_pages(scratch_slot)[0])
             max_pages = -(-max_model_len // self.cache.block_tokens)
+            verify_waves = 1 if model.config.is_v41 else 1 + draft_tokens  # V4.1's decode path takes one row a sequence
             self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page,
-                                       waves=1 + draft_tokens, keep_streams=self._keeps_streams)
+                                       waves=verify_waves, keep_streams=self._keeps_streams)
             self.graphs.capture()
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
@@ -231,6 +236,11 @@ class ModelRunner:
         self._copy_prefix_state(plan)
         computed = [chunk for chunk in plan.chunks if chunk.token_ids]
         step = StepContext(plan, computed, [self._rows_wanted(chunk) for chunk in computed])
+        context = self.cache.engram_context
+        drafting = [c for c in computed if c.draft_token_ids]
+        if context is not None and drafting:  # V4.1: the look-backs a rejected draft would leave advanced
+            held = context[on_device([c.slot for c in drafting], torch.long, context.device)].tolist()
+            step.look_backs = {c.request_id: back for c, back in zip(drafting, held)}
         if computed:
             self.cache.hold_hot([(c.pages, c.position + len(_forwarded(c))) for c in computed])
             self._lay_out(step)
@@ -330,8 +340,12 @@ class ModelRunner:
         return rows
 
     def _graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether one captured bucket holds these one-token chunks (batch size and block-table width)."""
+        """Whether one captured bucket holds these one-token chunks (batch size and block-table width),
+        and verify graphs were captured if some carry drafts (V4.1's decode path verifies none: its
+        drafting steps run eagerly)."""
         assert self.graphs is not None
+        if self.graphs.waves[-1] == 1 and any(c.draft_token_ids for c in chunks):
+            return False
         return self.graphs.fits(len(chunks), max(len(c.pages) for c in chunks))
 
     @staticmethod
@@ -399,7 +413,7 @@ class ModelRunner:
         n_rows = sum(len(rows) for rows in logit_rows)
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
         kept = {}
-        if self._keeps_streams:  # V4 (a V4.1 cache refuses drafts)
+        if self._keeps_streams:  # an MTP proposer's (V4)
             config = self.model.config
             kept["streams_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, config.hidden_size,
                                               dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
@@ -488,6 +502,10 @@ class ModelRunner:
             step.accepted[chunk.request_id] = tuple(drawn[:accepted])
             if self.last_logits is not None:  # the slot's state ends at the accepted position
                 self.last_logits[chunk.slot] = step.logits[chunk.request_id][-1 - len(drafts) + accepted]
+            before = step.look_backs.get(chunk.request_id)
+            if before is not None and accepted < len(drafts):  # the forward hashed the rejected drafts too
+                self.model.engram_memory.rewind(self.cache.engram_context, chunk.slot, before,
+                                                [*chunk.token_ids, *drafts[:accepted]])
 
     def _computed_chunks(self, step: StepContext) -> list[ComputedChunk]:
         """What the step left of each chunk that did not fail, as the proposer reads it: the forwarded
