@@ -195,6 +195,16 @@ class RuntimeSection(Section):
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == {} else value
 
+    @property
+    def draft_tokens(self) -> int:
+        """The most drafts a step verifies (0: no speculative decoding)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
+
+    @property
+    def drafts_with_mtp(self) -> bool:
+        """Whether the checkpoint's MTP layer drafts (so it is loaded, and planned)."""
+        return self.speculative_config is not None and self.speculative_config.method == "mtp"
+
 
 # the names of engram_store/build.py's RESIDENCIES registry (contract/ cannot import it: a test keeps them equal)
 EngramResidency = Literal["gpu", "host", "disk"]

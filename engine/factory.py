@@ -247,11 +247,6 @@ def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftPr
                           speculative.num_speculative_tokens, prompt_lookup_min=low, prompt_lookup_max=high)
 
 
-def draft_tokens(config: "ServeConfig") -> int:
-    speculative = config.runtime.speculative_config
-    return speculative.num_speculative_tokens if speculative is not None else 0
-
-
 def hot_tokens(config: "ServeConfig") -> int | None:
     """The runner's `kv_hot_tokens`: None without the KV host tier (offload.kv host_packed)."""
     return config.offload.kv_hot_tokens if config.offload.kv == "host_packed" else None
@@ -400,7 +395,7 @@ def build_runner(
         snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
         prefix_tiers=tiers, prefix_dir=prefix_dir(config), rank=tp.rank if tp is not None else 0,
-        draft_tokens=draft_tokens(config), proposer=build_proposer_for(config, model),
+        draft_tokens=config.runtime.draft_tokens, proposer=build_proposer_for(config, model),
     )
     return runner, memory_plan
 
@@ -410,8 +405,7 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     """This rank's model: read from the checkpoint (model.load_format auto) or drawn (dummy), held as
     model.quantization says."""
     held_as_stored = config.model.quantization == "checkpoint"
-    speculative = config.runtime.speculative_config
-    mtp = speculative is not None and speculative.method == "mtp"  # the MTP layer drafts
+    mtp = config.runtime.drafts_with_mtp
     if config.model.load_format == "dummy":
         return build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
                                  engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
@@ -430,7 +424,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
         snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
-        draft_tokens=draft_tokens(config), proposer=build_proposer_for(config, model),  # verify graphs, MTP cache
+        draft_tokens=config.runtime.draft_tokens, proposer=build_proposer_for(config, model),  # verify graphs, MTP cache
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets

@@ -197,10 +197,8 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     device, ranks = plan_device(config), config.parallel.tensor_parallel_size
     dtype = resolve_dtype(config, device)
     try:
-        speculative = config.runtime.speculative_config
         model_config, weights = weight_tensors(model_json, config.model.quantization, dtype,
-                                               config.model.load_format,
-                                               mtp=speculative is not None and speculative.method == "mtp")
+                                               config.model.load_format, mtp=config.runtime.drafts_with_mtp)
     except ConfigError as exc:
         raise ConfigFileError(str(exc)) from None
     max_len = max_model_len(config, model_config)

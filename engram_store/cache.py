@@ -17,8 +17,8 @@ the hits on the GPU straight from it (`view`), so a hit costs no host gather, st
 Callers serialise access (DiskLayer's lock).
 
 A warm step on the device (store.py's DiskTier) never touches the host's bookkeeping: it looks its rows
-up in `device_index` and counts its hits in device tensors (`count_hits_on_device`: a capped credit
-per slot and a distinct-hit total); the host folds them into the CLOCK's credits and `hits` before
+up in `device_index` and counts its hits in device tensors (`count_hits_on_device`: a credit per
+distinct slot, capped when folded, and a distinct-hit total); the host folds them into the CLOCK's credits and `hits` before
 it next claims slots (`fold_hits`, under the lock, after the step's gathers finished), so the policy
 sees the same credits it would have seen counted one step at a time. Device writes of the index and
 the counters are ordered before later lookups by `changed`, an event the lookups' stream waits for.

@@ -18,18 +18,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.slot_lookup import slot_lookup
+from kernels.slot_lookup import home_entries, slot_lookup
 
 EMPTY = -1  # an entry no key ever took
 TOMB = -2  # an entry whose key was evicted: lookups pass it, inserts may reuse it
 MAX_PROBE = 16  # rebuild once some key sits further than this from its home entry
 _MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
-
-
-def _home(rows: np.ndarray, bits: int) -> np.ndarray:
-    """Home entry of each row id: the top `bits` bits of row * golden ratio (wrapping int64 multiply,
-    the same bits as kernels/slot_lookup.home_entries on tensors)."""
-    return ((rows * _MIX) >> (64 - bits)) & ((1 << bits) - 1)
 
 
 class DeviceSlotIndex:
@@ -76,7 +70,7 @@ class DeviceSlotIndex:
         """Claims a mirror entry for each of `rows` (keys only) and returns the entries."""
         positions = np.empty(len(rows), dtype=np.int64)
         pending = np.arange(len(rows))
-        home = _home(rows, self.bits)
+        home = home_entries(rows, self.bits, _MIX)  # numpy's wrapping int64 multiply: the kernel's bits
         step = 0
         while len(pending):
             candidate = (home[pending] + step) & (self.size - 1)
@@ -110,7 +104,7 @@ class DeviceSlotIndex:
 
     def _find(self, rows: np.ndarray) -> np.ndarray:
         """Entry of each of the indexed `rows` in the mirror (vectorised over the probe bound)."""
-        home = _home(rows, self.bits)
+        home = home_entries(rows, self.bits, _MIX)  # numpy's wrapping int64 multiply: the kernel's bits
         found = np.full(len(rows), -1, dtype=np.int64)
         for step in range(self.max_probe + 1):
             entry = (home + step) & (self.size - 1)

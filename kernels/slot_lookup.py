@@ -64,8 +64,9 @@ def count_hits_triton(slots: torch.Tensor, stamps: torch.Tensor, credits: torch.
             flat, stamps, credits, hits, flat.numel(), stamp, BLOCK=LOOKUP_BLOCK)
 
 
-def home_entries(rows: torch.Tensor, bits: int, mix: int) -> torch.Tensor:
-    """Home entry of each row id: the top `bits` bits of row * mix (wrapping int64 multiply)."""
+def home_entries(rows, bits: int, mix: int):
+    """Home entry of each row id: the top `bits` bits of row * mix (wrapping int64 multiply), for int64
+    tensors and numpy arrays alike (the slot index's host mirror places keys by the same homes)."""
     return ((rows * mix) >> (64 - bits)) & ((1 << bits) - 1)
 
 
