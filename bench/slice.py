@@ -25,6 +25,9 @@ device copy bandwidth, read + written) and `slice.matmul` (bf16 GEMM ceiling), m
   tokens (a random model's greedy output repeats one token and routes every row alike). The context is
   prefilled once into slot 0, through the model in the default mode, and copied to the other slots. A
   row stops after --steps timed steps or --row-budget-s seconds (at least 3 steps), whichever is first.
+  Mode `default` times each step alone (launch to landing, synchronized); `overlapped` launches each
+  step before the one before it lands, as the engine's async scheduling does, and times landing to
+  landing: the host's planning and input copies then hide behind the device's previous step.
 - ttft: one sequence, prefilled in --prefill-chunk chunks (or each size of --prefill-chunks in turn)
   through ModelRunner (as the engine's chunked prefill does); TTFT, prefill tokens/s, useful FLOP/s and
   its ratio to the matmul ceiling, and the peak device memory the prefill held beyond what was
@@ -204,24 +207,30 @@ def random_tokens(generator: torch.Generator, vocab: int, n: int) -> list[int]:
 
 
 def decode_steps(
-    runner: ModelRunner, positions: list[int], concurrency: int, steps: int, budget_s: float, generator: torch.Generator
+    runner: ModelRunner, positions: list[int], concurrency: int, steps: int, budget_s: float, generator: torch.Generator,
+    overlapped: bool = False,
 ) -> dict[str, Any]:
     """One untimed step (warm-up and expert probe), then timed steps of slots 0 .. concurrency - 1 fed
-    random tokens; `positions` (per slot) advance. Returns timings, experts touched, mean context."""
+    random tokens; `positions` (per slot) advance. Returns timings, experts touched, mean context.
+    `overlapped`: each step is launched before the one before it lands (`overlapped_steps`)."""
     vocab = runner.model.config.vocab_size
 
-    def step() -> None:
+    def plan() -> StepPlan:
         tokens = random_tokens(generator, vocab, concurrency)
-        runner.execute(StepPlan(tuple(chunk(runner, s, [tokens[s]], positions[s]) for s in range(concurrency))))
+        planned = StepPlan(tuple(chunk(runner, s, [tokens[s]], positions[s]) for s in range(concurrency)))
         for s in range(concurrency):
             positions[s] += 1
+        return planned
 
     graphs, runner.graphs = runner.graphs, None  # the probe runs eagerly: graph replays fire no hooks
     with routed_experts(runner.model) as touched:
-        step()
+        runner.execute(plan())
     runner.graphs = graphs
     first = positions[:concurrency]
-    durations = timed_steps(step, steps, budget_s, runner.device)
+    if overlapped:
+        durations = overlapped_steps(runner, plan, steps, budget_s)
+    else:
+        durations = timed_steps(lambda: runner.execute(plan()), steps, budget_s, runner.device)
     return {
         "steps": len(durations), "step_ms_p50": 1000 * statistics.median(durations),
         "step_ms_p90": 1000 * _p90(durations),
@@ -243,6 +252,27 @@ def timed_steps(step: Callable[[], None], steps: int, budget_s: float, device: s
     return durations
 
 
+def overlapped_steps(runner: ModelRunner, plan: Callable[[], StepPlan], steps: int, budget_s: float) -> list[float]:
+    """Seconds between the landings of consecutive steps when each step is launched before the one
+    before it lands, as the engine's overlapped scheduling runs them (`scheduler.async_scheduling`):
+    the host plans and launches step N + 1 while the device runs step N, so a step costs the larger of
+    its device time and its host time instead of their sum. The inputs are the plan's host tokens
+    (random, as in the serial rows, so both route alike), not the device-side PENDING_TOKEN feed."""
+    launched = runner.launch(plan())
+    launched.result()  # a first landing, so the timed ones start from a step in flight
+    durations: list[float] = []
+    launched = runner.launch(plan())
+    landed = began = time.perf_counter()
+    while len(durations) < steps and (len(durations) < 3 or time.perf_counter() - began < budget_s):
+        following = runner.launch(plan())
+        launched.result()
+        now = time.perf_counter()
+        durations.append(now - landed)
+        landed, launched = now, following
+    launched.result()
+    return durations
+
+
 def _p90(durations: list[float]) -> float:
     return statistics.quantiles(durations, n=10)[-1] if len(durations) > 1 else durations[0]
 
@@ -260,17 +290,18 @@ def roofline(runner: ModelRunner, measured: dict[str, Any], concurrency: int, co
 def cmd_decode(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
     copy_bps, _ = ceilings(args, model, fields)
     most = max(args.concurrency)
-    max_len = max(args.context) + len(args.concurrency) * (args.steps + 1) + 1
+    max_len = max(args.context) + len(args.concurrency) * (args.steps + 3) + 1  # overlapped rows plan 3 more
     generator = torch.Generator().manual_seed(args.seed)
     for mode in args.modes:
         runner = ModelRunner(model, most, max_len, device=args.device, deterministic=mode == "deterministic",
-                             cuda_graphs=mode == "default")
+                             cuda_graphs=mode in ("default", "overlapped"))
         for context in args.context:
             prefill_slot(runner, 0, random_tokens(generator, model.config.vocab_size, context), args.prefill_chunk)
             copy_slot_to_all(runner, most)
             positions = [context] * most
             for concurrency in args.concurrency:
-                measured = decode_steps(runner, positions, concurrency, args.steps, args.row_budget_s, generator)
+                measured = decode_steps(runner, positions, concurrency, args.steps, args.row_budget_s, generator,
+                                        overlapped=mode == "overlapped")
                 row = {"bench": "slice.decode", "mode": mode, "concurrency": concurrency, "context": context}
                 emit({**row, **roofline(runner, measured, concurrency, copy_bps)}, fields)
         del runner
@@ -464,8 +495,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[0, 8192])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--modes", nargs="+", default=["default"], choices=["default", "eager", "deterministic"],
-                        help="default: decode steps replay CUDA graphs; eager: --enforce-eager; deterministic")
+    parser.add_argument("--modes", nargs="+", default=["default"],
+                        choices=["default", "overlapped", "eager", "deterministic"],
+                        help="default: decode steps replay CUDA graphs, one after another; overlapped: the same, each "
+                             "launched before the one before it lands (the engine's async scheduling); eager: "
+                             "--enforce-eager; deterministic")
     parser.add_argument("--row-budget-s", type=float, default=30.0, help="timing budget of one decode row")
     parser.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--prompt-len", type=int, default=512, help="transformers: prompt tokens per row")

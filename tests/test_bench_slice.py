@@ -42,9 +42,9 @@ def positive(row: dict, *keys: str) -> None:
 
 def test_decode(capsys, config):
     rows = run(capsys, config, "decode", "--concurrency", "1", "3", "--context", "0", "40", "--steps", "2",
-               "--modes", "default", "deterministic")["slice.decode"]
+               "--modes", "default", "overlapped", "deterministic")["slice.decode"]
     assert [(r["mode"], r["context"], r["concurrency"]) for r in rows] == [
-        (m, c, n) for m in ("default", "deterministic") for c in (0, 40) for n in (1, 3)
+        (m, c, n) for m in ("default", "overlapped", "deterministic") for c in (0, 40) for n in (1, 3)
     ]
     for row in rows:
         positive(row, "step_ms_p50", "step_ms_p90", "tokens_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
