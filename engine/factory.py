@@ -51,7 +51,7 @@ from models.dummy_weights import build_dummy_model
 from models.host_tier import HostTierSpec
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
-from worker.proposers import DraftProposer, build_proposer
+from worker.proposers import DraftProposer, build_proposer, mtp_proposer_bytes
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool, external_rank_main
 
@@ -259,13 +259,22 @@ def cache_dtype(config: "ServeConfig") -> str:
 
 def meta_cache(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> ModelCache:
     """The engine's cache layout on the meta device (no memory, one page): what `python -m server plan`
-    counts and what the prefix tiers' records hold. Raises ValueError for a kv_cache_dtype the model
-    cannot use."""
+    counts and what the prefix tiers' records hold (with the rings' spare rows for drafts, as the
+    runner allocates it). Raises ValueError for a kv_cache_dtype the model cannot use."""
     sched, tokens = config.scheduler, hot_tokens(config)
     return ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
                                device="meta", num_pages=1, block_tokens=sched.block_tokens,
                                kv_cache_dtype=cache_dtype(config),
-                               host_tier=None if tokens is None else HostTierSpec(tokens, sched.max_num_seqs))
+                               host_tier=None if tokens is None else HostTierSpec(tokens, sched.max_num_seqs),
+                               draft_tokens=config.runtime.draft_tokens)
+
+
+def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> int:
+    """Device bytes the draft proposer holds beside the engine's cache (the MTP layer's own cache and
+    waiting rows; nothing for ngram or without --speculative-config): part of the slots' fixed state."""
+    if not config.runtime.drafts_with_mtp:
+        return 0
+    return mtp_proposer_bytes(model_config, config.scheduler.max_num_seqs, max_len, config.runtime.draft_tokens, dtype)
 
 
 def prefix_records(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> RecordLayout:
@@ -433,6 +442,8 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         if buffer is not None:
             workspace += buffer.numel() * buffer.element_size()
     page_bytes, slot_state = probe.cache.page_bytes(), probe.cache.slot_bytes()
+    if probe.proposer is not None:  # an MTP draft layer's cache: the real runner's proposer holds the same
+        slot_state += probe.proposer.device_bytes()
     host_tier_page_bytes = probe.cache.host_tier_page_bytes()
     del probe
     return plan_pages(

@@ -40,6 +40,7 @@ from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
 from engine.factory import (
     EngineConfigError,
     check_kv_cache_dtype,
+    draft_state_bytes,
     max_model_len,
     meta_cache,
     prefix_records,
@@ -203,6 +204,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
         raise ConfigFileError(str(exc)) from None
     max_len = max_model_len(config, model_config)
     page_bytes, slot_state, host_tier_page_bytes = cache_bytes(model_config, config, dtype, max_len)
+    slot_state += draft_state_bytes(config, model_config, dtype, max_len)
     activations, logits = workspace_estimate(model_config, config)
     engram = engram_plan(model_config, config, device, ranks)
     budget, host_budget = budgets(config, device, ranks)
@@ -328,7 +330,8 @@ def describe(plan: RigPlan) -> str:
         f"  Engram (resident)     {_gib(kv.weights_bytes - plan.weights_per_rank)}   tables, row caches in this memory",
         (f"  workspace (estimate)  {_gib(plan.activations_bytes + plan.logits_bytes)}   activations"
          f" {_size(plan.activations_bytes)} + logits {_size(plan.logits_bytes)}; the server measures it at start"),
-        f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot",
+        (f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot"
+         + (" (the MTP draft layer's too)" if any(t.kind == "MTP draft layer" for t in plan.weights) else "")),
         (f"  KV                    {_gib(kv.kv_bytes)}   {kv.num_pages:,} pages x {kv.page_bytes:,} B"
          f" = {kv.num_pages * kv.block_tokens:,} tokens ({kv.page_bytes / kv.block_tokens:,.0f} B per token)"),
         *_host_tier_lines(kv),

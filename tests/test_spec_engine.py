@@ -299,7 +299,10 @@ def test_the_plan_counts_the_mtp_layer_when_it_drafts(v4_with_mtp):
     from engine.plan import build_plan
     from models import load_model
     from tests.test_deploy_plan import rig
+    from worker import ModelRunner
+    from worker.proposers import MTPProposer
 
+    slot_state = {}
     for drafting in (False, True):
         overrides = [f"model.path={v4_with_mtp}"]
         if drafting:
@@ -308,3 +311,41 @@ def test_the_plan_counts_the_mtp_layer_when_it_drafts(v4_with_mtp):
         plan = build_plan(config, path, config_json)
         assert plan.weights_bytes == model_bytes(load_model(v4_with_mtp, mtp=drafting))
         assert any(t.kind == "MTP draft layer" for t in plan.weights) == drafting
+        slot_state[drafting] = plan.kv.slot_state_bytes
+    model = load_model(v4_with_mtp, mtp=True)
+    sched = config.scheduler
+    proposer = MTPProposer(model, sched.max_num_seqs, plan.max_model_len, k=2)
+    runner = ModelRunner(model, sched.max_num_seqs, plan.max_model_len, num_pages=1, block_tokens=sched.block_tokens,
+                         snapshot_slots=sched.snapshot_slots, draft_tokens=2)  # the rings' spare rows
+    assert slot_state[True] == runner.cache.slot_bytes() + proposer.device_bytes() > slot_state[False]
+    assert proposer.device_bytes() > 0
+
+
+def test_the_engines_memory_plan_keeps_room_for_the_mtp_cache(v4_with_mtp):
+    """The engine's own plan (profiled at start) counts the MTP layer's cache and waiting rows with the
+    slots' fixed state, so the KV pages it hands out never take the memory the proposer holds."""
+    from engine.factory import build_engine_core, max_model_len
+    from engine.plan import build_plan
+    from models import load_model
+    from tests.test_deploy_plan import rig
+    from worker import ModelRunner
+    from worker.proposers import MTPProposer
+
+    plans = {}
+    for drafting in (False, True):
+        overrides = [f"model.path={v4_with_mtp}"]
+        if drafting:
+            overrides.append('runtime.speculative_config={"method": "mtp", "num_speculative_tokens": 2}')
+        config, path, config_json = rig("cpu-tiny", *overrides)
+        core, spec = build_engine_core(config, lambda output: None)
+        plans[drafting] = spec.memory
+        del core
+    model = load_model(v4_with_mtp, mtp=True)
+    sched, max_len = config.scheduler, max_model_len(config, model.config)
+    proposer = MTPProposer(model, sched.max_num_seqs, max_len, k=2)
+    runner = ModelRunner(model, sched.max_num_seqs, max_len, num_pages=1, block_tokens=sched.block_tokens,
+                         snapshot_slots=sched.snapshot_slots, draft_tokens=2)
+    assert plans[True].slot_state_bytes == runner.cache.slot_bytes() + proposer.device_bytes() > 0
+    assert proposer.device_bytes() > 0
+    plan = build_plan(config, path, config_json)  # `python -m server plan` says the same
+    assert plan.kv.slot_state_bytes == plans[True].slot_state_bytes

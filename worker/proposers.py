@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from contract import ScheduledChunk
-from models import DecodeBatch, DeepseekV4, ForwardBatch
+from models import DecodeBatch, DeepseekV4, ForwardBatch, ModelConfig
 from models.mtp import allocate_mtp_cache, greedy_drafts
 
 PROPOSER_METHODS = ("mtp", "ngram")
@@ -58,6 +58,11 @@ class DraftProposer(Protocol):
         """request id -> its drafts (at most the proposer's K), for the chunks that sampled."""
         ...
 
+    def device_bytes(self) -> int:
+        """Device memory the proposer holds beside the target's cache (its own cache and buffers, sized
+        by the slots): the memory plan counts it with the slots' fixed state, so KV pages never take it."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup over each slot's tokens, as this runner computed them (a prefix-cache hit's cached
@@ -71,6 +76,9 @@ class NgramProposer:
         self.k, self.min_n, self.max_n, self.window = k, min_n, max_n, window
         # per slot: the position of its first known token, and the tokens from there on
         self.history: list[tuple[int, list[int]]] = [(0, []) for _ in range(num_slots)]
+
+    def device_bytes(self) -> int:
+        return 0  # the histories are host lists
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         drafts = {}
@@ -118,6 +126,10 @@ class MTPProposer:
         self._waiting_streams = torch.zeros(num_slots, config.hc_mult, config.hidden_size, dtype=dtype, device=device)
         self._waiting_position: list[int | None] = [None] * num_slots
 
+    def device_bytes(self) -> int:
+        waiting = self._waiting_streams
+        return self.cache.nbytes() + waiting.numel() * waiting.element_size()
+
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         sequences, inputs, sampling = [], [], []
         for item in computed:
@@ -160,6 +172,14 @@ class MTPProposer:
             drafts = torch.cat([drafts, chained], dim=1)
         values = drafts.tolist()
         return {request_id: tuple(values[row]) for row, (_, request_id) in enumerate(sampling)}
+
+
+def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len: int, k: int, dtype: torch.dtype) -> int:
+    """MTPProposer.device_bytes() for a model of `model_config` without building it (the layer's cache
+    on the meta device, and the waiting rows): what `python -m server plan` counts."""
+    cache = allocate_mtp_cache(model_config, num_slots, max_model_len, dtype=dtype, device="meta", draft_tokens=k)
+    waiting = num_slots * model_config.hc_mult * model_config.hidden_size * dtype.itemsize
+    return cache.nbytes() + waiting
 
 
 def build_proposer(method: str, model: DeepseekV4, num_slots: int, max_model_len: int, k: int,
