@@ -292,60 +292,59 @@ def test_the_scheduler_cuts_drafts_to_the_policy():
     assert scheduler.schedule().chunks[0].draft_token_ids == (21, 22, 23, 24, 25)
 
 
-def test_the_plan_counts_the_mtp_layer_when_it_drafts(v4_with_mtp):
-    """`python -m server plan` with --speculative-config method mtp holds the MTP layer's weights as the
-    engine loads them (a kind of their own); without it, as before."""
-    from engine.memory_plan import model_bytes
-    from engine.plan import build_plan
-    from models import load_model
+def mtp_rig(checkpoint, drafting: bool):
+    """(config, its path, config.json) of the cpu-tiny rig serving `checkpoint`, drafting 2 tokens with
+    its MTP layer or not drafting."""
     from tests.test_deploy_plan import rig
+
+    overrides = [f"model.path={checkpoint}"]
+    if drafting:
+        overrides.append('runtime.speculative_config={"method": "mtp", "num_speculative_tokens": 2}')
+    return rig("cpu-tiny", *overrides)
+
+
+def drafting_state_bytes(checkpoint, config) -> int:
+    """The slots' fixed state of a runner drafting 2 tokens with the MTP layer, counted on the objects
+    the engine builds: the target cache with its rings' spare rows, and the proposer's own memory."""
+    from engine.factory import max_model_len
+    from models import load_model
     from worker import ModelRunner
     from worker.proposers import MTPProposer
 
+    model = load_model(checkpoint, mtp=True)
+    sched, max_len = config.scheduler, max_model_len(config, model.config)
+    proposer = MTPProposer(model, sched.max_num_seqs, max_len, k=2)
+    assert proposer.device_bytes() > 0
+    runner = ModelRunner(model, sched.max_num_seqs, max_len, num_pages=1, block_tokens=sched.block_tokens,
+                         snapshot_slots=sched.snapshot_slots, draft_tokens=2)
+    return runner.cache.slot_bytes() + proposer.device_bytes()
+
+
+def test_the_plan_counts_the_mtp_layer_when_it_drafts(v4_with_mtp):
+    """`python -m server plan` with --speculative-config method mtp holds the MTP layer's weights as the
+    engine loads them (a kind of their own), and its cache with the slots' fixed state; without it, as
+    before."""
+    from engine.memory_plan import model_bytes
+    from engine.plan import build_plan
+    from models import load_model
+
     slot_state = {}
     for drafting in (False, True):
-        overrides = [f"model.path={v4_with_mtp}"]
-        if drafting:
-            overrides.append('runtime.speculative_config={"method": "mtp", "num_speculative_tokens": 2}')
-        config, path, config_json = rig("cpu-tiny", *overrides)
+        config, path, config_json = mtp_rig(v4_with_mtp, drafting)
         plan = build_plan(config, path, config_json)
         assert plan.weights_bytes == model_bytes(load_model(v4_with_mtp, mtp=drafting))
         assert any(t.kind == "MTP draft layer" for t in plan.weights) == drafting
         slot_state[drafting] = plan.kv.slot_state_bytes
-    model = load_model(v4_with_mtp, mtp=True)
-    sched = config.scheduler
-    proposer = MTPProposer(model, sched.max_num_seqs, plan.max_model_len, k=2)
-    runner = ModelRunner(model, sched.max_num_seqs, plan.max_model_len, num_pages=1, block_tokens=sched.block_tokens,
-                         snapshot_slots=sched.snapshot_slots, draft_tokens=2)  # the rings' spare rows
-    assert slot_state[True] == runner.cache.slot_bytes() + proposer.device_bytes() > slot_state[False]
-    assert proposer.device_bytes() > 0
+    assert slot_state[True] == drafting_state_bytes(v4_with_mtp, config) > slot_state[False]
 
 
 def test_the_engines_memory_plan_keeps_room_for_the_mtp_cache(v4_with_mtp):
     """The engine's own plan (profiled at start) counts the MTP layer's cache and waiting rows with the
     slots' fixed state, so the KV pages it hands out never take the memory the proposer holds."""
-    from engine.factory import build_engine_core, max_model_len
+    from engine.factory import build_engine_core
     from engine.plan import build_plan
-    from models import load_model
-    from tests.test_deploy_plan import rig
-    from worker import ModelRunner
-    from worker.proposers import MTPProposer
 
-    plans = {}
-    for drafting in (False, True):
-        overrides = [f"model.path={v4_with_mtp}"]
-        if drafting:
-            overrides.append('runtime.speculative_config={"method": "mtp", "num_speculative_tokens": 2}')
-        config, path, config_json = rig("cpu-tiny", *overrides)
-        core, spec = build_engine_core(config, lambda output: None)
-        plans[drafting] = spec.memory
-        del core
-    model = load_model(v4_with_mtp, mtp=True)
-    sched, max_len = config.scheduler, max_model_len(config, model.config)
-    proposer = MTPProposer(model, sched.max_num_seqs, max_len, k=2)
-    runner = ModelRunner(model, sched.max_num_seqs, max_len, num_pages=1, block_tokens=sched.block_tokens,
-                         snapshot_slots=sched.snapshot_slots, draft_tokens=2)
-    assert plans[True].slot_state_bytes == runner.cache.slot_bytes() + proposer.device_bytes() > 0
-    assert proposer.device_bytes() > 0
-    plan = build_plan(config, path, config_json)  # `python -m server plan` says the same
-    assert plan.kv.slot_state_bytes == plans[True].slot_state_bytes
+    config, path, config_json = mtp_rig(v4_with_mtp, drafting=True)
+    _, spec = build_engine_core(config, lambda output: None)
+    assert spec.memory.slot_state_bytes == drafting_state_bytes(v4_with_mtp, config)
+    assert build_plan(config, path, config_json).kv.slot_state_bytes == spec.memory.slot_state_bytes  # the CLI's
