@@ -230,15 +230,32 @@ class MetricsSection(Section):
 
 
 class OffloadSection(Section):
-    """What leaves the GPU for rigs whose GPUs cannot hold the model. Expert offload is not built yet,
-    so `plan` and serving refuse anything but none for it (contract/features.py)."""
+    """What leaves the GPU for rigs whose GPUs cannot hold the model. Expert offload (issue 28): `plan`
+    places `experts: host` (engine/expert_placement.py); serving it and `disk` are not built yet
+    (contract/features.py)."""
 
     experts: Literal["none", "host", "disk"] = "none"  # routed experts in host RAM / on NVMe, streamed per step
+    # with experts host: the routed experts of each MoE layer kept on the GPU (the rest in pinned host
+    # RAM), as a count per layer or as a GPU budget per rank for all layers (at most one of the two);
+    # neither: as many as the GPU holds after the rest of the plan and every sequence's full-length KV
+    gpu_experts_per_layer: int | None = Field(default=None, ge=0)
+    gpu_experts_gb: float | None = Field(default=None, ge=0)
+    staging_experts: int = Field(default=16, gt=0)  # GPU slots that host-resident experts are staged in
     # host_packed: V4.1's compressed KV entries packed FP4 (as memory.kv_cache_dtype fp4) in pinned shared
     # host memory, budgeted by memory.host_memory_gb; the GPU keeps the index keys and each running
     # sequence's last kv_hot_tokens tokens of entries (models/host_tier.py). Reads are bitwise the same.
     kv: Literal["none", "host_packed"] = "none"
     kv_hot_tokens: int = Field(default=32768, gt=0)
+
+    @model_validator(mode="after")
+    def _one_expert_budget(self) -> "OffloadSection":
+        budgets = {"gpu_experts_per_layer": self.gpu_experts_per_layer, "gpu_experts_gb": self.gpu_experts_gb}
+        given = [key for key, value in budgets.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError("give offload.gpu_experts_per_layer or offload.gpu_experts_gb, not both")
+        if given and self.experts != "host":
+            raise ValueError(f"offload.{given[0]} places experts for offload.experts: host, which is {self.experts!r}")
+        return self
 
 
 class PrefixCacheSection(Section):

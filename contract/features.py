@@ -4,8 +4,9 @@ Two kinds, because `python -m server plan` treats them differently:
 - *plannable*: `plan` computes the rig and lists them under "needs"; serving refuses them. FP8 / MXFP4
   weights kept as stored were one until issue 8 built them; DSpark drafting (--speculative-config's
   method dspark) is one now: its plan is the rig's without the draft layers.
-- *unplannable*: offload, whose split between GPU, host RAM and NVMe is not designed yet. Nothing can
-  be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does serving.
+- *unplannable*: expert offload to NVMe (offload.experts: disk), whose split is not designed yet. Nothing
+  can be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does
+  serving. offload.experts: host is plannable (engine/expert_placement.py), not servable yet.
 Each entry names the YAML key, so the message says what to change. The issues that bring a feature
 delete its entry here.
 """
@@ -30,9 +31,12 @@ class Unbuilt:
 def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     """The settings of `config` that this version cannot serve."""
     found = []
-    if config.offload.experts != "none":
+    if config.offload.experts == "host":
+        found.append(Unbuilt("offload.experts", "'host': the plan places the experts, serving them (the GPU expert"
+                             " cache over host RAM) is not built yet (issue 28)", True))
+    elif config.offload.experts != "none":
         found.append(Unbuilt("offload.experts",
-                             f"{config.offload.experts!r}: expert offload is not built yet (a later issue)", False))
+                             f"{config.offload.experts!r}: expert offload to NVMe is not built yet (issue 28)", False))
     speculative = config.runtime.speculative_config
     if speculative is not None and speculative.method == "dspark":
         found.append(Unbuilt("runtime.speculative_config.method (--speculative-config)",

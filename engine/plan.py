@@ -48,6 +48,7 @@ from engine.factory import (
     resolve_dtype,
 )
 from engine.memory_plan import RecordLayout
+from engine.expert_placement import ROUTED, ExpertPlacement, place_experts, routed_expert_shape
 from engine.plan_weights import KINDS, WeightTensor, weight_tensors
 from engram_store.build import RESIDENCIES
 from models.cache import page_granularity
@@ -93,6 +94,7 @@ class RigPlan:
     needs: tuple[str, ...]  # unbuilt features the plan assumes
     records: RecordLayout  # the prefix cache tiers' records, per rank
     prefix_tiers: PrefixTierLimits  # per rank
+    experts: ExpertPlacement | None = None  # offload.experts host: which routed experts stay on the GPU
 
     @property
     def weights_bytes(self) -> int:
@@ -101,6 +103,15 @@ class RigPlan:
     @property
     def weights_per_rank(self) -> int:
         return sum(t.per_rank(self.ranks) for t in self.weights)
+
+    @property
+    def gpu_weights_per_rank(self) -> int:
+        """What a rank's compute device holds of the weights: all of them, or with expert offload the
+        routed experts it keeps resident and its staging ring instead of every routed expert."""
+        if self.experts is None:
+            return self.weights_per_rank
+        routed = sum(t.per_rank(self.ranks) for t in self.weights if t.kind == ROUTED)
+        return self.weights_per_rank - routed + self.experts.gpu_bytes + self.experts.staging_bytes
 
 
 def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
@@ -212,6 +223,19 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     if device == "cpu" and engram:  # the host's RAM is the compute device's memory
         fixed += engram.host_bytes // ranks
     name = model_json.parent.name
+    experts, host_left = None, host_budget  # host RAM not taken by host-resident experts
+    if config.offload.experts == "host":
+        experts = expert_placement(config, model_config, weights, device, budget, fixed, activations + logits,
+                                   slot_state, page_bytes - host_tier_page_bytes, max_len)
+        routed = sum(t.per_rank(ranks) for t in weights if t.kind == ROUTED)
+        fixed += experts.gpu_bytes + experts.staging_bytes - routed
+        host_left -= ranks * experts.host_bytes  # each rank's share of the host-resident experts
+        if host_left < 0:
+            raise PlanRefused(
+                f"{name}: the host-resident routed experts need {_size(ranks * experts.host_bytes)} of pinned host RAM"
+                f" ({experts.host_per_layer} a layer), {_size(-host_left)} over memory.host_memory_gb"
+                f" {config.memory.host_memory_gb:g}: keep more on the GPU (offload.gpu_experts_per_layer /"
+                " offload.gpu_experts_gb) or raise memory.host_memory_gb")
     _check_fixed(name, config, device, budget, fixed, activations + logits, slot_state, weights)
     try:
         kv = plan_pages(
@@ -219,11 +243,11 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
             page_bytes=page_bytes, block_tokens=config.scheduler.block_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_len, pinned_pages=config.memory.num_kv_pages,
             host_tier_page_bytes=host_tier_page_bytes,
-            host_budget=(host_budget - (engram.host_bytes if engram else 0)) // ranks,  # each rank keeps its pages
+            host_budget=(host_left - (engram.host_bytes if engram else 0)) // ranks,  # each rank keeps its pages
         )
     except MemoryPlanError as exc:
         raise PlanRefused(f"{name}: {exc}") from None
-    if device == "cuda" and engram and engram.host_bytes > host_budget:
+    if device == "cuda" and engram and engram.host_bytes > host_left:
         raise PlanRefused(
             f"the Engram tiers need {_size(engram.host_bytes)} of host RAM, memory.host_memory_gb"
             f" is {config.memory.host_memory_gb:g}: lower engram.host_cache_gb, keep fewer tables at residency host"
@@ -237,7 +261,33 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     needs = tuple(str(f) for f in unbuilt_features(config))
     return RigPlan(config_path, model_json, model_config, device, ranks, dtype, config.model.quantization,
                    tuple(weights), engram, activations, logits, max_len, config.scheduler.max_num_seqs, kv, host_budget,
-                   needs, records, tiers)
+                   needs, records, tiers, experts)
+
+
+def expert_placement(config: ServeConfig, model_config: ModelConfig, weights: list[WeightTensor], device: str,
+                     budget: int, fixed: int, workspace: int, slot_state: int, gpu_page_bytes: int,
+                     max_len: int) -> ExpertPlacement:
+    """offload.experts host: the routed experts each rank keeps on the GPU and the ones in host RAM
+    (engine/expert_placement.py). With no count in the config the GPU keeps as many as it holds after
+    the other weights, the workspace, the slots' state and every sequence's full-length KV."""
+    offload, ranks = config.offload, config.parallel.tensor_parallel_size
+    if device != "cuda":
+        raise ConfigFileError("offload.experts: host moves routed experts from the GPU to host RAM; with"
+                              f" runtime.device {device} they are in host RAM already (set offload.experts: none)")
+    per_layer = model_config.n_routed_experts
+    layers, expert_bytes = routed_expert_shape(weights, per_layer, ranks)
+    routed = sum(t.per_rank(ranks) for t in weights if t.kind == ROUTED)
+    sched = config.scheduler
+    kv_full = sched.max_num_seqs * -(-max_len // sched.block_tokens) * gpu_page_bytes
+    room = budget - (fixed - routed) - workspace - slot_state - kv_full
+    try:
+        placement = place_experts(offload, layers, per_layer, expert_bytes, room)
+    except ValueError as exc:
+        raise ConfigFileError(str(exc)) from None
+    if placement.host_per_layer and placement.staging_slots < model_config.num_experts_per_tok:
+        raise ConfigFileError(f"offload.staging_experts {offload.staging_experts}: a token routes to"
+                              f" {model_config.num_experts_per_tok} experts a layer, which the staging ring must hold")
+    return placement
 
 
 def budgets(config: ServeConfig, device: str, ranks: int) -> tuple[int, int]:
@@ -266,7 +316,10 @@ def _check_fixed(name: str, config: ServeConfig, device: str, budget: int, fixed
         fixes = ["more RAM (memory.host_memory_gb)"]
     if config.model.quantization == "none":
         fixes.append("weights kept as stored (model.quantization: checkpoint)")
-    fixes.append("expert offload (offload.experts), which is not built yet")
+    if config.offload.experts == "none":
+        fixes.append("expert offload (offload.experts: host; the plan places it, serving it is not built yet)")
+    else:
+        fixes.append("fewer experts kept on the GPU (offload.gpu_experts_per_layer / offload.gpu_experts_gb)")
     raise PlanRefused(
         f"{name} does not fit: per rank, weights and resident Engram {_size(fixed)} + workspace {_size(workspace)}"
         f" + slot state {_size(slot_state)} = {_size(needed)}, over the budget of {_size(budget)} ({where}) by"
@@ -283,6 +336,16 @@ def _without(config: ServeConfig, config_path: Path, model_json: Path, unplannab
     except PlanRefused as exc:
         return f"{asked}; so it cannot be planned with it, and without it {exc}"
     return f"{asked}; without it the rig fits (set it to none)"
+
+
+def _offload_note(plan: RigPlan) -> str:
+    """With expert offload, where the routed experts are (after the per-rank weights figure)."""
+    e = plan.experts
+    if e is None:
+        return ""
+    return (f"   routed experts: {e.gpu_per_layer} of {e.experts_per_layer} a layer resident"
+            f" ({_size(e.gpu_bytes)}), a staging ring of {e.staging_slots if e.host_per_layer else 0}"
+            f" ({_size(e.staging_bytes)}); {e.host_per_layer} a layer in pinned host RAM ({_size(e.host_bytes)})")
 
 
 def _host_tier_lines(kv: MemoryPlan) -> list[str]:
@@ -326,8 +389,8 @@ def describe(plan: RigPlan) -> str:
             lines.append(f"  {kind:<22}{_gib(total)}   per rank {_gib(per_rank)}")
     lines += [
         "per rank",
-        f"  weights               {_gib(plan.weights_per_rank)}",
-        f"  Engram (resident)     {_gib(kv.weights_bytes - plan.weights_per_rank)}   tables, row caches in this memory",
+        f"  weights               {_gib(plan.gpu_weights_per_rank)}" + _offload_note(plan),
+        f"  Engram (resident)     {_gib(kv.weights_bytes - plan.gpu_weights_per_rank)}   tables, row caches in this memory",
         (f"  workspace (estimate)  {_gib(plan.activations_bytes + plan.logits_bytes)}   activations"
          f" {_size(plan.activations_bytes)} + logits {_size(plan.logits_bytes)}; the server measures it at start"),
         (f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot"

@@ -44,7 +44,8 @@ def project(*files) -> dict:
 def test_the_shipped_files_are_all_there():
     assert (REPO / "compose.yaml").exists() and COMPOSE_OVERRIDES == [REPO / "docker" / "compose.gpu.yaml"]
     assert [d.name for d in DOCKERFILES] == ["Dockerfile.cpu", "Dockerfile.cuda"]
-    assert {r.name for r in RIGS} == {"cpu-tiny.yaml", "rtxpro6000x4.yaml", "h200x1.yaml", "v100x4-offload.yaml"}
+    assert {r.name for r in RIGS} == {"cpu-tiny.yaml", "rtxpro6000x4.yaml", "h200x1.yaml", "h200x1-offload.yaml",
+                                      "v100x4-offload.yaml"}
 
 
 def test_compose_up_starts_the_server_prometheus_and_grafana():

@@ -23,7 +23,7 @@ from tests.deploy_tools import REPO, run
 from worker.runner import ModelRunner
 
 GiB = 2**30
-RIGS = ("cpu-tiny", "rtxpro6000x4", "h200x1", "v100x4-offload")
+RIGS = ("cpu-tiny", "rtxpro6000x4", "h200x1", "h200x1-offload", "v100x4-offload")
 # The published DeepSeek-V4.1-Flash safetensors, their headers summed by group (GiB, as a public
 # deployment study of the release reports them): what the plan's "as stored" figures must reproduce.
 V41_PUBLISHED_GIB = {"routed experts": 268.95, "attention": 4.72, "shared expert": 1.32, "embedding / head": 2.46}
@@ -128,11 +128,61 @@ def test_v4_flash_does_not_fit_one_h200(capsys):
 def test_v41_flash_on_four_v100s_is_refused_for_want_of_expert_offload(capsys):
     status, _, err = plan_main(capsys, "--config", "configs/v100x4-offload.yaml")
     assert status == 1
-    assert "offload.experts: 'disk': expert offload is not built yet" in err
+    assert "offload.experts: 'disk': expert offload to NVMe is not built yet" in err
     assert "without it DeepSeek-V4.1-Flash does not fit" in err
     config, path, config_json = rig("v100x4-offload", "offload.experts=none", "offload.kv=none")
     with pytest.raises(PlanRefused, match="Routed experts are 67.24 GiB"):
         build_plan(config, path, config_json)
+
+
+def test_v4_flash_fits_one_h200_with_expert_offload(capsys):
+    """offload.experts host, no count given: every MoE layer keeps as many experts on the GPU as fit with
+    every sequence's full-length KV, the rest in pinned host RAM; every byte of the experts placed once."""
+    status, out, err = plan_main(capsys, "--config", "configs/h200x1-offload.yaml")
+    assert status == 0, err
+    config, path, config_json = rig("h200x1-offload")
+    plan = build_plan(config, path, config_json)
+    e = plan.experts
+    routed = sum(t.nbytes for t in plan.weights if t.kind == "routed experts")
+    assert (e.layers, e.experts_per_layer) == (43, 256) and e.expert_bytes * 43 * 256 == routed
+    assert 0 < e.gpu_per_layer < 256 and e.gpu_bytes + e.host_bytes == routed
+    assert plan.kv.weights_bytes == plan.gpu_weights_per_rank == plan.weights_bytes - e.host_bytes + e.staging_bytes
+    assert e.host_bytes <= config.memory.host_memory_gb * GiB
+    per_sequence = -(-plan.max_model_len // config.scheduler.block_tokens)
+    assert plan.kv.num_pages == config.scheduler.max_num_seqs * per_sequence  # every sequence at full length
+    one_more = plan.kv.weights_bytes + plan.kv.workspace_bytes + plan.kv.slot_state_bytes + plan.kv.kv_bytes
+    assert one_more + 43 * e.expert_bytes > plan.kv.budget_bytes  # the GPU could not keep one more a layer
+    assert f"{e.gpu_per_layer} of 256 a layer resident" in out and "fits        yes" in out
+    assert "offload.experts: 'host'" in out and "issue 28" in out
+
+
+def test_the_server_refuses_expert_offload_it_cannot_serve_yet(capsys):
+    assert server_main(["--config", "configs/h200x1-offload.yaml"]) == 2
+    assert "cannot start: not built in this version: offload.experts: 'host'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, per_layer", [
+    (("offload.gpu_experts_per_layer=100",), 100),
+    (("offload.gpu_experts_gb=100",), int(100 * GiB) // (43 * 13_369_344)),  # 12.75 MiB an expert as released
+])
+def test_expert_offload_keeps_the_count_the_config_asks_for(overrides, per_layer):
+    config, path, config_json = rig("h200x1-offload", *overrides)
+    e = build_plan(config, path, config_json).experts
+    assert e.expert_bytes == 13_369_344 and e.gpu_per_layer == per_layer and e.host_per_layer == 256 - per_layer
+
+
+@pytest.mark.parametrize("overrides, says, status", [
+    (("offload.gpu_experts_per_layer=240",), "DeepSeek-V4-Flash does not fit", 1),  # too many kept on the GPU
+    (("offload.gpu_experts_per_layer=20",), "pinned host RAM", 1),  # the rest is more than the host's RAM
+    (("offload.gpu_experts_per_layer=300",), "offload.gpu_experts_per_layer 300", 2),
+    (("offload.staging_experts=4", "offload.gpu_experts_per_layer=200"), "offload.staging_experts 4", 2),
+    (("offload.gpu_experts_per_layer=100", "offload.gpu_experts_gb=10"), "not both", 2),
+    (("offload.experts=none", "offload.gpu_experts_gb=10"), "offload.gpu_experts_gb", 2),
+])
+def test_expert_offload_refuses_what_cannot_be_placed(capsys, overrides, says, status):
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    got, _, err = plan_main(capsys, "--config", "configs/h200x1-offload.yaml", *sets)
+    assert (got, says in err) == (status, True), err
 
 
 @pytest.mark.parametrize("overrides, says", [
