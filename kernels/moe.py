@@ -101,12 +101,15 @@ def experts_reference(
 ) -> torch.Tensor:
     """x [T, D], weights / experts [T, k], gate_up [E, 2I, D], down [E, D, I] (tensors or MXFP4) ->
     float32 [T, D]; with `residual` [T, D] (the shared expert's output, when nothing is summed across
-    ranks in between): sum + residual in residual's dtype, as every path below."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ranks in between): sum + residual in residual's dtype, as every path below. Each token's pairs are
+    added in top-k slot order, as the GPU kernels add them (kernels/moe_pairs.py), so where an expert's
+    weights sit (its id within a rank's run, a slot of the expert offload cache) changes no bit."""
+    tokens, k = experts.shape
+    pair_out = torch.zeros(tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     held = gate_up.shape[0]
     for expert in torch.unique(experts).tolist():
         local = expert - first
-        if not 0 <= local < held:  # another rank's expert
+        if not 0 <= local < held:  # another rank's expert (or a pair left out): adds 0
             continue
         token_rows, slot = torch.where(experts == expert)
         weight = weights[token_rows, slot, None]
@@ -117,7 +120,10 @@ def experts_reference(
             y = F.linear((hidden * weight).to(x.dtype), down_matrix).float()
         else:
             y = F.linear(hidden.to(x.dtype), down_matrix).float() * weight
-        out.index_add_(0, token_rows, y)
+        pair_out[token_rows, slot] = y
+    out = pair_out[:, 0]
+    for slot in range(1, k):
+        out = out + pair_out[:, slot]
     return plus_residual(out, residual)
 
 

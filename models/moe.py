@@ -90,13 +90,20 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The weighted sum of this rank's experts for every token (zero where it chose none of them) in
-        float32, or with `residual` added in its dtype: Triton or grouped GEMMs on the GPU (no host
-        sync, capturable), the reference loop on the CPU and in deterministic mode (whose
-        batch-invariant GEMMs it goes through)."""
-        use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
-        run = experts_on_device if use_grouped else experts_reference
-        return run(x, weights, experts, self.weights("gate_up_proj"), self.weights("down_proj"), self.first, self.limit,
-                   self.weight_before_down, residual)
+        float32, or with `residual` added in its dtype (`run_experts`)."""
+        return run_experts(x, weights, experts, self.weights("gate_up_proj"), self.weights("down_proj"), self.first,
+                           self.limit, self.weight_before_down, residual)
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: ExpertWeights,
+                down: ExpertWeights, first: int, limit: float, weight_before_down: bool,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels/moe.py's experts contract on the path this device and mode take: Triton or grouped GEMMs
+    on the GPU (no host sync, capturable), the reference loop on the CPU and in deterministic mode
+    (whose batch-invariant GEMMs it goes through)."""
+    use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
+    run = experts_on_device if use_grouped else experts_reference
+    return run(x, weights, experts, gate_up, down, first, limit, weight_before_down, residual)
 
 
 class SharedExpert(nn.Module):
