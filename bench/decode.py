@@ -22,7 +22,7 @@ import torch
 
 from contract import SamplingParams, ScheduledChunk, StepPlan
 from contract.config import DEFAULT_MODEL_DIR
-from engine.factory import ensure_default_model
+from engine.layout import ensure_default_model
 from models import load_model
 from worker import ModelRunner
 

@@ -71,7 +71,7 @@ import torch
 
 from bench.http import served
 from contract.config import ServeConfig, load_config
-from engine.factory import max_model_len, prefix_records, prefix_tiers, resolve_device, resolve_dtype
+from engine.layout import max_model_len, prefix_records, prefix_tiers, resolve_device, resolve_dtype
 from models import ModelCache, ModelConfig, load_model
 from models.tiny import CORPUS, build_tiny_checkpoint
 from tests.serving import free_port, running_server

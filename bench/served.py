@@ -150,7 +150,7 @@ def runner_model(args: argparse.Namespace):
         from models.dummy_weights import build_dummy_model
 
         return build_dummy_model(args.model, args.seed, dtype, args.device, released=released)
-    from engine.factory import ensure_default_model
+    from engine.layout import ensure_default_model
     from models import load_model
 
     ensure_default_model(Path(args.model))

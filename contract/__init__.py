@@ -24,6 +24,7 @@ from contract.stats import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
     EngramStats,
+    ExpertOffloadStats,
     SpecDecodeCounts,
     StepTokens,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "EngineReady",
     "EngineStats",
     "EngramStats",
+    "ExpertOffloadStats",
     "GrammarChecked",
     "InvalidSamplingParams",
     "ModelExecutor",

@@ -31,7 +31,7 @@ from contract.messages import (
 )
 from contract.requests import NewRequest, RequestOutput
 from contract.sampling import SamplingParams, TokenLogprob
-from contract.stats import EngineStats, EngramStats, SpecDecodeCounts, StepTokens
+from contract.stats import EngineStats, EngramStats, ExpertOffloadStats, SpecDecodeCounts, StepTokens
 from contract.step import ScheduledChunk, StateCopy, StepPlan, TierMove
 from contract.structured import StructuredOutput
 
@@ -90,8 +90,9 @@ def _ready(body: dict[str, Any]) -> EngineReady:
 
 
 def _stats(body: dict[str, Any]) -> EngineStats:
-    engram = body["engram"]
+    engram, offload = body["engram"], body["offload"]
     return EngineStats(**{**body, "engram": None if engram is None else EngramStats(**_fields(engram)),
+                          "offload": None if offload is None else ExpertOffloadStats(**offload),
                           "step_tokens": StepTokens(**_fields(body["step_tokens"])),
                           "spec": SpecDecodeCounts(**_fields(body["spec"]))})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from contract.stats import EngramStats
+from contract.stats import EngramStats, ExpertOffloadStats
 from contract.step import StepPlan, StepResult
 
 
@@ -53,6 +53,9 @@ class ModelExecutor(Protocol):
 
     def engram_stats(self) -> EngramStats | None:
         """The Engram store's counters, None without a tiered store."""
+
+    def offload_stats(self) -> ExpertOffloadStats | None:
+        """Expert offload's counters (rank 0's layers), None without expert offload."""
 
     def health(self) -> str | None:
         """Why steps cannot run now (None: healthy); /health answers 503 while it is set."""

@@ -6,7 +6,7 @@ Two kinds, because `python -m server plan` treats them differently:
   method dspark) is one now: its plan is the rig's without the draft layers.
 - *unplannable*: expert offload to NVMe (offload.experts: disk), whose split is not designed yet. Nothing
   can be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does
-  serving. offload.experts: host is plannable (engine/expert_placement.py), not servable yet.
+  serving. offload.experts: host is plannable (engine/expert_placement.py) and serves on the CPU.
 Each entry names the YAML key, so the message says what to change. The issues that bring a feature
 delete its entry here.
 """
@@ -31,10 +31,11 @@ class Unbuilt:
 def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     """The settings of `config` that this version cannot serve."""
     found = []
-    if config.offload.experts == "host":
-        found.append(Unbuilt("offload.experts", "'host': the plan places the experts, serving them (the GPU expert"
-                             " cache over host RAM) is not built yet (issue 28)", True))
-    elif config.offload.experts != "none":
+    if config.offload.experts == "host" and config.runtime.device != "cpu":
+        found.append(Unbuilt("offload.experts", "'host': the plan places the experts; serving them on a GPU (the"
+                             " expert cache's device path) is not validated yet (issue 28; it serves on the CPU)",
+                             True))
+    elif config.offload.experts == "disk":
         found.append(Unbuilt("offload.experts",
                              f"{config.offload.experts!r}: expert offload to NVMe is not built yet (issue 28)", False))
     speculative = config.runtime.speculative_config

@@ -61,6 +61,20 @@ class EngramStats:
 
 
 @dataclass(frozen=True)
+class ExpertOffloadStats:
+    """Expert offload's counters since start over this rank's MoE layers (models/expert_offload.py):
+    routed pairs whose expert was resident or staged from host RAM, host experts copied in (and their
+    bytes), staging hits (already there), and swaps by measured routing."""
+
+    pairs_resident: int = 0
+    pairs_staged: int = 0
+    copies: int = 0
+    bytes_copied: int = 0
+    staging_hits: int = 0
+    swaps: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Load and cache figures for metrics; read off the loop's thread, so a snapshot, not a barrier."""
 
@@ -83,4 +97,5 @@ class EngineStats:
     step_tokens: StepTokens = StepTokens()
     spec: SpecDecodeCounts = SpecDecodeCounts()  # speculative decoding, since start
     engram: EngramStats | None = None  # None: the model has no tiered Engram store
+    offload: ExpertOffloadStats | None = None  # expert offload's counters (None: no offload)
     unhealthy: str | None = None  # why the executor cannot run steps now (a tensor-parallel restart)

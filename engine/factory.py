@@ -17,20 +17,24 @@ import torch
 import torch.distributed as dist
 
 from contract import EngineLimits, ModelFacts, PrefixTierLimits
-from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
+from contract.config import DEFAULT_MODEL_DIR
 from contract.model_files import TOKENIZER, borrows_default_tokenizer, tokenizer_dir
 from engine.admission import MemoryPlan, plan_pages
-from engine.loop import EngineCore, OutputSink
-from engine.memory_plan import (
-    GiB,
-    RecordLayout,
-    budget_bytes,
-    model_bytes,
-    prefix_tier_limits,
-    profile_pages,
-    profile_workspace,
-    record_layout,
+from engine.layout import (
+    EngineConfigError,
+    cache_dtype,
+    check_kv_cache_dtype,
+    ensure_default_model,
+    hot_tokens,
+    max_model_len,
+    prefix_records,
+    prefix_tiers,
+    resolve_device,
+    resolve_dtype,
 )
+from engine.loop import EngineCore, OutputSink
+from engine.memory_plan import GiB, RecordLayout, budget_bytes, model_bytes, profile_pages, profile_workspace
+from engine.plan import offload_placement
 from engine.prefix_catalog import (
     CATALOG,
     FIX,
@@ -45,13 +49,13 @@ from engine.prefix_catalog import (
 from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
-from models import SINGLE, ModelCache, ModelConfig, TensorParallel, load_model
+from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
 from models.dummy_weights import build_dummy_model
-from models.host_tier import HostTierSpec
+from models.expert_offload import offload_experts
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
-from worker.proposers import DraftProposer, build_proposer, mtp_proposer_bytes
+from worker.proposers import DraftProposer, build_proposer
 from worker.runner import ModelRunner
 from worker.tensor_parallel import WorkerPool, external_rank_main
 
@@ -72,42 +76,9 @@ class EngineSpec:
     model: ModelFacts
 
 
-def ensure_default_model(model_dir: Path) -> None:
-    """The embedded default (configs/cpu-tiny.yaml without model.path) is built on first start."""
-    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").exists():
-        from models.tiny import build_tiny_checkpoint
-
-        log.info("building the tiny default checkpoint in %s", model_dir)
-        build_tiny_checkpoint(model_dir)
-
-
 def model_facts(model_config: ModelConfig) -> ModelFacts:
     return ModelFacts(model_type=model_config.model_type, bos_token_id=model_config.bos_token_id,
                       eos_token_ids=tuple(model_config.eos_token_ids))
-
-
-def resolve_device(config: "ServeConfig") -> str:
-    wanted = config.runtime.device
-    return "cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def resolve_dtype(config: "ServeConfig", device: str) -> torch.dtype:
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32  # a rank's device is cuda:<rank>
-    return getattr(torch, config.model.dtype)
-
-
-def max_model_len(config: "ServeConfig", model_config: ModelConfig) -> int:
-    """model.max_model_len, or the model's position limit when unset. Past that limit positions have no
-    trained meaning (RoPE / YaRN run out), so a longer one is refused, as vLLM refuses it."""
-    limit = model_config.max_position_embeddings
-    wanted = config.model.max_model_len
-    if wanted is not None and wanted > limit:
-        raise ConfigFileError(
-            f"model.max_model_len (--max-model-len) {wanted} is past the model's position limit {limit}"
-            " (max_position_embeddings in its config.json); lower it or leave it out"
-        )
-    return wanted or limit
 
 
 def engram_options(config: "ServeConfig") -> EngramOptions:
@@ -121,10 +92,6 @@ def engram_options(config: "ServeConfig") -> EngramOptions:
         queue_depth=section.queue_depth,
         resident_scales=section.resident_scales,
     )
-
-
-class EngineConfigError(ValueError):
-    """A config the engine cannot run with; names the key."""
 
 
 def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[EngineCore, EngineSpec]:
@@ -203,24 +170,6 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
         )
 
 
-def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """fp4 is lossless for V4.1 (it rounds its cache to FP4 itself); for V4 it is an opt-in that rounds.
-    The host tier keeps V4.1's packed entries only."""
-    if config.offload.kv == "host_packed" and not model_config.is_v41:
-        raise EngineConfigError("offload.kv host_packed keeps V4.1's packed compressed KV entries in host RAM: this"
-                                f" model is {model_config.model_type}; use offload.kv none")
-    if cache_dtype(config) == "fp4" and not model_config.is_v41:
-        log.warning("memory.kv_cache_dtype fp4 on a V4 model rounds its compressed KV and index keys to FP4: "
-                    "logits move (lossy; tests/test_packed_kv.py measures how far)")
-    if cache_dtype(config) == "fp8":
-        if stored_kv_cache_dtype(model_config, "fp8") == "fp4":
-            log.info("memory.kv_cache_dtype fp8 on V4.1: its compressed KV entries and index keys are FP4 values"
-                     " already, so they are stored as the fp4 packing (lossless, fewer bytes than fp8)")
-        else:
-            log.info("memory.kv_cache_dtype fp8: compressed KV entries and index keys as float8_e4m3fn with a"
-                     " scale per 64 channels, the entries' RoPE channels in bf16 (lossy, as vLLM's fp8)")
-
-
 def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
     """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
     have (V4.1 drafts with DSpark's layers, not built yet, or ngram)."""
@@ -247,45 +196,10 @@ def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftPr
                           speculative.num_speculative_tokens, prompt_lookup_min=low, prompt_lookup_max=high)
 
 
-def hot_tokens(config: "ServeConfig") -> int | None:
-    """The runner's `kv_hot_tokens`: None without the KV host tier (offload.kv host_packed)."""
-    return config.offload.kv_hot_tokens if config.offload.kv == "host_packed" else None
-
-
-def cache_dtype(config: "ServeConfig") -> str:
-    """The runner's `kv_cache_dtype`: offload.kv host_packed packs the cache (as memory.kv_cache_dtype fp4)."""
-    return "fp4" if config.offload.kv == "host_packed" else config.memory.kv_cache_dtype
-
-
-def meta_cache(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> ModelCache:
-    """The engine's cache layout on the meta device (no memory, one page): what `python -m server plan`
-    counts and what the prefix tiers' records hold (with the rings' spare rows for drafts, as the
-    runner allocates it). Raises ValueError for a kv_cache_dtype the model cannot use."""
-    sched, tokens = config.scheduler, hot_tokens(config)
-    return ModelCache.allocate(model_config, sched.max_num_seqs + sched.snapshot_slots, max_len, dtype=dtype,
-                               device="meta", num_pages=1, block_tokens=sched.block_tokens,
-                               kv_cache_dtype=cache_dtype(config),
-                               host_tier=None if tokens is None else HostTierSpec(tokens, sched.max_num_seqs),
-                               draft_tokens=config.runtime.draft_tokens)
-
-
-def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> int:
-    """Device bytes the draft proposer holds beside the engine's cache (the MTP layer's own cache and
-    waiting rows; nothing for ngram or without --speculative-config): part of the slots' fixed state."""
-    if not config.runtime.drafts_with_mtp:
-        return 0
-    return mtp_proposer_bytes(model_config, config.scheduler.max_num_seqs, max_len, config.runtime.draft_tokens, dtype)
-
-
-def prefix_records(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> RecordLayout:
-    """One rank's prefix-tier records, from the cache layout (the runner keeps last logits, part of a
-    slot record, when it has snapshot slots)."""
-    vocab = model_config.vocab_size if config.scheduler.snapshot_slots else None
-    return record_layout(meta_cache(config, model_config, dtype, max_len), vocab)
-
-
-def prefix_tiers(config: "ServeConfig", records: RecordLayout) -> PrefixTierLimits:
-    return prefix_tier_limits(config.prefix_cache, config.parallel.tensor_parallel_size, records)
+def graphs_on(config: "ServeConfig") -> bool:
+    """Whether decode steps replay CUDA graphs: not with --enforce-eager, nor with expert offload, whose
+    cache reads each step's routing on the host (models/expert_offload.py)."""
+    return not config.runtime.enforce_eager and config.offload.experts == "none"
 
 
 def prefix_dir(config: "ServeConfig") -> Path | None:
@@ -401,7 +315,7 @@ def build_runner(
     runner = ModelRunner(
         model, sched.max_num_seqs, max_len, device=device, num_pages=num_pages, block_tokens=sched.block_tokens,
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=not config.runtime.enforce_eager,
+        snapshot_slots=sched.snapshot_slots, tp=tp or SINGLE, cuda_graphs=graphs_on(config),
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
         prefix_tiers=tiers, prefix_dir=prefix_dir(config), rank=tp.rank if tp is not None else 0,
         draft_tokens=config.runtime.draft_tokens, proposer=build_proposer_for(config, model),
@@ -416,10 +330,17 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     held_as_stored = config.model.quantization == "checkpoint"
     mtp = config.runtime.drafts_with_mtp
     if config.model.load_format == "dummy":
-        return build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
-                                 engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
-    return load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp,
-                      keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
+        model = build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
+                                  engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
+    else:
+        model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp,
+                           keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
+    if config.offload.experts == "host":
+        placement = offload_placement(config)
+        layers = offload_experts(model, placement.gpu_per_layer, placement.staging_slots)
+        log.info("expert offload: %d of %d routed experts a layer resident, %d staging slots, %d layers",
+                 placement.gpu_per_layer, placement.experts_per_layer, placement.staging_slots, layers)
+    return model
 
 
 def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> MemoryPlan:
@@ -431,7 +352,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         model, sched.max_num_seqs, max_len, device=device, block_tokens=sched.block_tokens,
         num_pages=profile_pages(sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_tokens),
         max_logit_rows=sched.max_num_batched_tokens, deterministic=config.runtime.deterministic,
-        snapshot_slots=sched.snapshot_slots, cuda_graphs=not config.runtime.enforce_eager,
+        snapshot_slots=sched.snapshot_slots, cuda_graphs=graphs_on(config),
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
         draft_tokens=config.runtime.draft_tokens, proposer=build_proposer_for(config, model),  # verify graphs, MTP cache
     )

@@ -126,7 +126,8 @@ class EngineCore:
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
             prefix_gpu_points=s.prefix_points, prefix_host_points=s.host_points, prefix_disk_points=s.disk_points,
             prefix_host_hits=s.host_hit_tokens, prefix_disk_hits=s.disk_hit_tokens, prefix_fetch_failures=s.fetch_failures,
-            step_tokens=self.step_tokens, spec=s.spec, engram=self.executor.engram_stats(), unhealthy=self.executor.health(),
+            step_tokens=self.step_tokens, spec=s.spec, engram=self.executor.engram_stats(),
+            offload=self.executor.offload_stats(), unhealthy=self.executor.health(),
         )
 
     def submit(self, request: NewRequest) -> None:

@@ -37,10 +37,11 @@ from contract.config import (
 from contract.features import Unbuilt, unbuilt_features
 from contract.limits import PrefixTierLimits
 from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
-from engine.factory import (
+from engine.layout import (
     EngineConfigError,
     check_kv_cache_dtype,
     draft_state_bytes,
+    ensure_default_model,
     max_model_len,
     meta_cache,
     prefix_records,
@@ -120,8 +121,6 @@ def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
     if override:
         return Path(override)
     if config.model.path is None:
-        from engine.factory import ensure_default_model
-
         ensure_default_model(config.model_dir)
     for candidate in (config.model_dir / "config.json", MODELS_DIR / config.model_dir.name / "config.json"):
         if candidate.exists():
@@ -225,11 +224,14 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     name = model_json.parent.name
     experts, host_left = None, host_budget  # host RAM not taken by host-resident experts
     if config.offload.experts == "host":
-        experts = expert_placement(config, model_config, weights, device, budget, fixed, activations + logits,
+        experts = expert_placement(config, model_config, weights, budget, fixed, activations + logits,
                                    slot_state, page_bytes - host_tier_page_bytes, max_len)
         routed = sum(t.per_rank(ranks) for t in weights if t.kind == ROUTED)
-        fixed += experts.gpu_bytes + experts.staging_bytes - routed
-        host_left -= ranks * experts.host_bytes  # each rank's share of the host-resident experts
+        if device == "cpu":  # both tiers are the host's RAM: every expert stays counted, plus the staging ring
+            fixed += experts.staging_bytes
+        else:
+            fixed += experts.gpu_bytes + experts.staging_bytes - routed
+            host_left -= ranks * experts.host_bytes  # each rank's share of the host-resident experts
         if host_left < 0:
             raise PlanRefused(
                 f"{name}: the host-resident routed experts need {_size(ranks * experts.host_bytes)} of pinned host RAM"
@@ -264,16 +266,15 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
                    needs, records, tiers, experts)
 
 
-def expert_placement(config: ServeConfig, model_config: ModelConfig, weights: list[WeightTensor], device: str,
+def expert_placement(config: ServeConfig, model_config: ModelConfig, weights: list[WeightTensor],
                      budget: int, fixed: int, workspace: int, slot_state: int, gpu_page_bytes: int,
                      max_len: int) -> ExpertPlacement:
-    """offload.experts host: the routed experts each rank keeps on the GPU and the ones in host RAM
-    (engine/expert_placement.py). With no count in the config the GPU keeps as many as it holds after
-    the other weights, the workspace, the slots' state and every sequence's full-length KV."""
+    """offload.experts host: the routed experts each rank keeps on the compute device and the ones in
+    host RAM (engine/expert_placement.py). With no count in the config the device keeps as many as it
+    holds after the other weights, the workspace, the slots' state and every sequence's full-length KV.
+    On the CPU both tiers are the host's RAM: the split runs as on a GPU (the cache's mechanics), the
+    memory is one."""
     offload, ranks = config.offload, config.parallel.tensor_parallel_size
-    if device != "cuda":
-        raise ConfigFileError("offload.experts: host moves routed experts from the GPU to host RAM; with"
-                              f" runtime.device {device} they are in host RAM already (set offload.experts: none)")
     per_layer = model_config.n_routed_experts
     layers, expert_bytes = routed_expert_shape(weights, per_layer, ranks)
     routed = sum(t.per_rank(ranks) for t in weights if t.kind == ROUTED)
@@ -336,6 +337,15 @@ def _without(config: ServeConfig, config_path: Path, model_json: Path, unplannab
     except PlanRefused as exc:
         return f"{asked}; so it cannot be planned with it, and without it {exc}"
     return f"{asked}; without it the rig fits (set it to none)"
+
+
+def offload_placement(config: ServeConfig) -> ExpertPlacement | None:
+    """The expert placement `python -m server plan` makes for `config` (None without offload.experts
+    host): what the engine offloads at start."""
+    if config.offload.experts != "host":
+        return None
+    model_json = model_config_json(config)
+    return build_plan(config, model_json, model_json).experts
 
 
 def _offload_note(plan: RigPlan) -> str:

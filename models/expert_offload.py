@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from contract import ExpertOffloadStats
 from kernels.moe import ExpertWeights, MXFP4Experts, plus_residual
 from models.moe import Experts, MoE, run_experts
 
@@ -55,6 +56,9 @@ def _stack_like(weights: ExpertWeights, slots: int, device: torch.device | str, 
     if isinstance(weights, MXFP4Experts):
         return MXFP4Experts(empty(weights.codes), empty(weights.scales))
     return empty(weights)
+
+
+_PARTS = {True: ("codes", "scales"), False: ("dense",)}  # a stack's tensors, packed MXFP4 or not
 
 
 def _tensors(weights: ExpertWeights) -> tuple[torch.Tensor, ...]:
@@ -98,7 +102,12 @@ class OffloadedExperts(nn.Module):
         source = {leaf: experts.weights(leaf) for leaf in self.LEAVES}
         device = _tensors(source["gate_up_proj"])[0].device
         pin = device.type == "cuda"
-        self.device_stack = {leaf: _stack_like(w, resident + staging, device, False) for leaf, w in source.items()}
+        for leaf, weights in source.items():  # buffers: the memory plan counts them, `to` moves them
+            for part, tensor in zip(_PARTS[isinstance(weights, MXFP4Experts)], _tensors(
+                    _stack_like(weights, resident + staging, device, False))):
+                self.register_buffer(f"{leaf}_{part}", tensor)
+        self.packed = isinstance(source["gate_up_proj"], MXFP4Experts)
+        # host RAM is no buffer: a module's `to` must not bring it back to the device
         self.host_stack = {leaf: _stack_like(w, held - resident, "cpu", pin) for leaf, w in source.items()}
         # where each expert is: its device slot (resident ones) or -1, and its host index or -1
         self.slot_of = [-1] * held
@@ -124,7 +133,13 @@ class OffloadedExperts(nn.Module):
 
     def weights(self, leaf: str) -> ExpertWeights:
         """The device stack of `leaf`: resident slots, then staging slots."""
-        return self.device_stack[leaf]
+        if self.packed:
+            return MXFP4Experts(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
+        return self._buffers[f"{leaf}_dense"]
+
+    @property
+    def device_stack(self) -> dict[str, ExpertWeights]:
+        return {leaf: self.weights(leaf) for leaf in self.LEAVES}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,6 +249,18 @@ class OffloadedExperts(nn.Module):
         if 0 <= slot < self.resident:
             return {leaf: tuple(t[slot] for t in _tensors(self.device_stack[leaf])) for leaf in self.LEAVES}
         return {leaf: tuple(t[index] for t in _tensors(self.host_stack[leaf])) for leaf in self.LEAVES}
+
+
+def offload_totals(model: nn.Module) -> ExpertOffloadStats | None:
+    """The counters of every offloaded layer of `model`, summed (None: no layer is offloaded)."""
+    caches = [m.stats for m in model.modules() if isinstance(m, OffloadedExperts)]
+    if not caches:
+        return None
+    return ExpertOffloadStats(
+        pairs_resident=sum(c.resident_pairs for c in caches), pairs_staged=sum(c.staged_pairs for c in caches),
+        copies=sum(c.copies for c in caches), bytes_copied=sum(c.copied_bytes for c in caches),
+        staging_hits=sum(c.staging_hits for c in caches), swaps=sum(c.swaps for c in caches),
+    )
 
 
 def offload_experts(model: nn.Module, resident_per_layer: int, staging: int, rebalance_every: int = 64) -> int:

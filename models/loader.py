@@ -56,6 +56,7 @@ from models.weight_names import NameIndex
 log = logging.getLogger("ds4serve.models")
 
 IGNORED_PREFIXES = ("mtp.",)
+CPU_ALIGNMENT = 64  # bytes: what torch's own CPU allocations give (see _assign)
 # Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
 FLOAT32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.", "engram.")
 
@@ -520,6 +521,12 @@ def _stack_experts(
 
 
 def _assign(model: nn.Module, full_name: str, value: torch.Tensor) -> None:
+    """Puts `value` where `full_name` stands. A host tensor the reader left at an address that is not
+    64-byte aligned (a view into the checkpoint's bytes, whose offsets safetensors aligns to 8) is
+    copied to a fresh, aligned allocation: CPU GEMMs pick their vector paths, and so their rounding, by
+    their operands' alignment, so where the bytes happen to lie must not change a result."""
+    if value.device.type == "cpu" and value.data_ptr() % CPU_ALIGNMENT:
+        value = value.clone()
     module_name, _, leaf = full_name.rpartition(".")
     module = model.get_submodule(module_name)
     if leaf in module._parameters:

@@ -34,7 +34,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from contract import PREFETCH_WAIT_BUCKETS, STEP_TOKEN_BUCKETS, EngineStats, EngramStats, NewRequest, RequestOutput
+from contract import (
+    PREFETCH_WAIT_BUCKETS,
+    STEP_TOKEN_BUCKETS,
+    EngineStats,
+    EngramStats,
+    ExpertOffloadStats,
+    NewRequest,
+    RequestOutput,
+)
 from server.engine_client import EngineCall, EngineClient, RequestObserver
 
 LABELS = ("model_name", "engine")
@@ -284,6 +292,8 @@ class EngineCollector(Collector):
             yield step_tokens_figure(prefix, stats, labels)
             yield accepted_per_position_figure(prefix, stats, labels)
         yield from engram_figures(stats.engram or EngramStats(), labels)  # zeros without a tiered store
+        if stats.offload is not None:
+            yield from offload_figures(stats.offload, labels)
         yield from prefix_tier_figures(stats, labels)
 
     def _cache_config(self, prefix: str, stats: EngineStats) -> GaugeMetricFamily:
@@ -361,6 +371,26 @@ def engram_figures(stats: EngramStats, labels: list[str]) -> Iterator[Metric]:
     buckets = [(str(edge), count) for edge, count in zip(PREFETCH_WAIT_BUCKETS, stats.wait_buckets)]
     waits.add_metric(labels, buckets + [("+Inf", stats.wait_count)], stats.wait_sum_s)
     yield waits
+
+
+def offload_figures(stats: ExpertOffloadStats, labels: list[str]) -> Iterator[Metric]:
+    """Expert offload (offload.experts host): routed pairs by where their expert was, and the traffic
+    from host RAM (issue 28: the host bytes a step next to the device's)."""
+    pairs = CounterMetricFamily("ds4serve:expert_offload_pairs",
+                                "Routed (token, expert) pairs, by where the expert was: resident or staged from host RAM.",
+                                labels=[*LABELS, "tier"])
+    pairs.add_metric([*labels, "resident"], stats.pairs_resident)
+    pairs.add_metric([*labels, "staged"], stats.pairs_staged)
+    yield pairs
+    for name, doc, value in (
+        ("expert_offload_copies", "Host-resident experts copied into staging slots.", stats.copies),
+        ("expert_offload_bytes_copied", "Bytes of experts copied from host RAM.", stats.bytes_copied),
+        ("expert_offload_staging_hits", "Host-resident experts a step found already staged.", stats.staging_hits),
+        ("expert_offload_swaps", "Experts swapped between host RAM and residency by measured routing.", stats.swaps),
+    ):
+        family = CounterMetricFamily(f"ds4serve:{name}", doc, labels=LABELS)
+        family.add_metric(labels, value)
+        yield family
 
 
 def prefix_tier_figures(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:

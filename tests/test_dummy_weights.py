@@ -16,7 +16,8 @@ import torch
 
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, load_config
 from contract.model_files import check_model_dir, tokenizer_dir
-from engine.factory import EngineConfigError, check_tokenizer, ensure_default_model, weight_parts
+from engine.factory import check_tokenizer, weight_parts
+from engine.layout import EngineConfigError, ensure_default_model
 from engine.memory_plan import model_bytes
 from engine.plan import build_plan, model_config_json
 from engram_store.build import EngramConfigError

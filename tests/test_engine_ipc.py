@@ -24,6 +24,7 @@ from contract import (
     EngineReady,
     EngineStats,
     EngramStats,
+    ExpertOffloadStats,
     ModelFacts,
     NewRequest,
     RequestOutput,
@@ -65,6 +66,7 @@ def test_codec_round_trips_every_message():
         )),
         EngineStats(running=3, waiting=1),
         EngineStats(running=1, waiting=0, engram=EngramStats(rows_disk=7, wait_sum_s=0.5, wait_buckets=(1, 2, 3))),
+        EngineStats(running=1, waiting=0, offload=ExpertOffloadStats(pairs_staged=5, bytes_copied=1 << 33, swaps=2)),
         EngineFailed("the engine loop died"),
     ]
     for message in messages:

@@ -18,16 +18,8 @@ from safetensors.torch import save_file
 from contract import NewRequest, PrefixTierLimits, SamplingParams
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, PrefixCacheSection, load_config
 from engine.admission import MemoryPlanError
-from engine.factory import (
-    build_engine_core,
-    catalog_fingerprint,
-    ensure_default_model,
-    max_model_len,
-    prefix_records,
-    prefix_tiers,
-    read_disk_catalog,
-    resolve_dtype,
-)
+from engine.factory import build_engine_core, catalog_fingerprint, read_disk_catalog
+from engine.layout import ensure_default_model, max_model_len, prefix_records, prefix_tiers, resolve_dtype
 from engine.loop import EngineCore
 from engine.memory_plan import GiB, RecordLayout, prefix_tier_limits, record_layout, split_tier
 from engine.plan import PlanRefused, build_plan, describe, model_config_json

@@ -306,7 +306,7 @@ def mtp_rig(checkpoint, drafting: bool):
 def drafting_state_bytes(checkpoint, config) -> int:
     """The slots' fixed state of a runner drafting 2 tokens with the MTP layer, counted on the objects
     the engine builds: the target cache with its rings' spare rows, and the proposer's own memory."""
-    from engine.factory import max_model_len
+    from engine.layout import max_model_len
     from models import load_model
     from worker import ModelRunner
     from worker.proposers import MTPProposer

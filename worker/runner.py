@@ -53,6 +53,7 @@ from contract import (
     TIER_MOVES,
     ChunkResult,
     EngramStats,
+    ExpertOffloadStats,
     PrefixTierLimits,
     ScheduledChunk,
     StepPlan,
@@ -64,6 +65,7 @@ from contract import (
 from kernels.batch_invariant import BatchInvariantMode
 from kernels.moe import grouped_mm_supported
 from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
+from models.expert_offload import offload_totals
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
 from models.transfer import on_device
@@ -568,6 +570,10 @@ class ModelRunner:
         """The Engram store's counters (None without a tiered store)."""
         memory = self.model.engram_memory
         return None if memory is None else memory.stats()
+
+    def offload_stats(self) -> ExpertOffloadStats | None:
+        """Expert offload's counters over this runner's layers (None without expert offload)."""
+        return offload_totals(self.model)
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: its pending Engram prefetches are dropped."""

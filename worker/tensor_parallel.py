@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from contract import DoneStep, EngramStats, LaunchedStep, StepPlan, StepResult, TierDone
+from contract import DoneStep, EngramStats, ExpertOffloadStats, LaunchedStep, StepPlan, StepResult, TierDone
 from contract.codec import decode_plan, encode_plan
 from contract.launch_env import external_rank, launched_externally
 
@@ -159,6 +159,7 @@ class WorkerPool:
         self.channel: PlanChannel | None = None
         self.unhealthy: str | None = None  # why the pool cannot run steps now
         self._engram_stats: EngramStats | None = None  # rank 0's last reported counters
+        self._offload_stats: ExpertOffloadStats | None = None
         self.restarts = 0
         self._dead: str | None = None  # set by the watchdog thread
         self._generation = 0  # a watchdog only reports deaths of its own generation of ranks
@@ -282,6 +283,13 @@ class WorkerPool:
         if runner is not None:
             self._engram_stats = runner.engram_stats()
         return self._engram_stats
+
+    def offload_stats(self) -> ExpertOffloadStats | None:
+        """Rank 0's expert offload counters (the last ones while a restart rebuilds the runner)."""
+        runner = self.runner
+        if runner is not None:
+            self._offload_stats = runner.offload_stats()
+        return self._offload_stats
 
     def health(self) -> str | None:
         return self.unhealthy
