@@ -52,7 +52,7 @@ from engram_store.store import EngramOptions
 from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
 from models.dummy_weights import build_dummy_model
-from models.expert_offload import offload_experts
+from models.expert_offload import LayerOffload
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
 from worker.proposers import DraftProposer, build_proposer
@@ -329,17 +329,20 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     model.quantization says."""
     held_as_stored = config.model.quantization == "checkpoint"
     mtp = config.runtime.drafts_with_mtp
+    placement = offload_placement(config)
+    # expert offload: each layer's experts leave the device as they arrive (the device never holds them all)
+    offload = None if placement is None else LayerOffload(placement.gpu_per_layer, placement.staging_slots)
     if config.model.load_format == "dummy":
         model = build_dummy_model(config.model_dir, config.model.seed, dtype, device, released=held_as_stored,
-                                  engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
+                                  engram=options, tp=tp, tokenizer_dir=tokenizer_dir(config), mtp=mtp,
+                                  experts_loaded=offload)
     else:
         model = load_model(config.model_dir, dtype=dtype, device=device, engram=options, tp=tp,
-                           keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config), mtp=mtp)
-    if config.offload.experts == "host":
-        placement = offload_placement(config)
-        layers = offload_experts(model, placement.gpu_per_layer, placement.staging_slots)
+                           keep_quantized=held_as_stored, tokenizer_dir=tokenizer_dir(config), mtp=mtp,
+                           experts_loaded=offload)
+    if offload is not None:
         log.info("expert offload: %d of %d routed experts a layer resident, %d staging slots, %d layers",
-                 placement.gpu_per_layer, placement.experts_per_layer, placement.staging_slots, layers)
+                 placement.gpu_per_layer, placement.experts_per_layer, placement.staging_slots, offload.layers)
     return model
 
 

@@ -23,7 +23,7 @@ from engram_store.store import EngramOptions
 from models.config import ConfigError, ModelConfig
 from models.dummy_engram import DummyTables
 from models.engram_setup import engram_memory
-from models.loader import CheckpointError, _target_dtype
+from models.loader import CheckpointError, ExpertsLoaded, _target_dtype
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.parallel import SINGLE, TensorParallel
@@ -43,9 +43,10 @@ def build_dummy_model(
     tp: TensorParallel = SINGLE,
     tokenizer_dir: Path | None = None,
     mtp: bool = False,
+    experts_loaded: ExpertsLoaded | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """The model of `directory`/config.json with weights drawn from `seed` on `device` (see the module
-    docstring); `engram`, `tp`, `tokenizer_dir` and `mtp` as load_model takes them."""
+    docstring); `engram`, `tp`, `tokenizer_dir`, `mtp` and `experts_loaded` as load_model takes them."""
     directory = Path(directory)
     config_json = directory / "config.json"
     config = ModelConfig.from_file(config_json)
@@ -57,7 +58,7 @@ def build_dummy_model(
     total = _dense_bytes(model, dtype) if fmt is None else None  # packed sizes are not known before the draw
     what = "the release's formats" if fmt is not None else str(dtype).removeprefix("torch.")
     with Progress(f"drawing dummy weights (seed {seed}, {what})", total, log, enabled=tp.rank == 0) as progress:
-        draw_weights(model, seed, dtype, device, fmt, progress)
+        draw_weights(model, seed, dtype, device, fmt, progress, experts_loaded)
     if config.engram is not None:
         tables = DummyTables(config.engram, seed, directory / "engram", device)
         try:

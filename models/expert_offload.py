@@ -263,12 +263,29 @@ def offload_totals(model: nn.Module) -> ExpertOffloadStats | None:
     )
 
 
+class LayerOffload:
+    """`experts_loaded` for the loaders (models/loader.py): each of the backbone's MoE layers, as its
+    experts arrive, gets an OffloadedExperts keeping `resident` on the device, so the device never
+    holds more than one layer's experts beyond the resident ones (the MTP layer's stay as they are:
+    the plan counts them apart). Counts the layers it offloaded."""
+
+    def __init__(self, resident: int, staging: int, rebalance_every: int = 64) -> None:
+        self.resident, self.staging, self.rebalance_every = resident, staging, rebalance_every
+        self.layers = 0
+
+    def __call__(self, model: nn.Module, moe_name: str) -> None:
+        moe = model.get_submodule(moe_name)
+        if not moe_name.startswith("model.layers.") or not isinstance(moe, MoE) or not isinstance(moe.experts, Experts):
+            return
+        moe.experts = OffloadedExperts(moe.experts, self.resident, self.staging, self.rebalance_every)
+        self.layers += 1
+
+
 def offload_experts(model: nn.Module, resident_per_layer: int, staging: int, rebalance_every: int = 64) -> int:
-    """Replaces every MoE layer's Experts of `model` with OffloadedExperts keeping `resident_per_layer`
-    of them on the device; returns how many layers it replaced."""
-    replaced = 0
-    for module in model.modules():
-        if isinstance(module, MoE) and isinstance(module.experts, Experts):
-            module.experts = OffloadedExperts(module.experts, resident_per_layer, staging, rebalance_every)
-            replaced += 1
-    return replaced
+    """A loaded model's backbone MoE layers offloaded as LayerOffload does it while loading; returns
+    how many layers it replaced."""
+    offload = LayerOffload(resident_per_layer, staging, rebalance_every)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE):
+            offload(model, name)
+    return offload.layers

@@ -319,13 +319,16 @@ def load_model(
     keep_quantized: bool = False,
     tokenizer_dir: Path | None = None,
     mtp: bool = False,
+    experts_loaded: ExpertsLoaded | None = None,
 ) -> DeepseekV4 | DeepseekV41:
     """`simulate_quantization=False` turns V4.1's in-forward fp8/fp4 rounding off (reference comparisons).
     `engram` places each Engram table in its tier (engram_store/); None reads them all into memory.
     `tp` loads this rank's shards only (a ConfigError names a size the world size does not divide).
     `keep_quantized`: FP8 linears and MXFP4 experts stay as stored (see the module docstring).
     `tokenizer_dir`: where V4.1's Engram hashing finds tokenizer.json (default: the checkpoint's).
-    `mtp`: also load the MTP layers as `model.mtp` (a CheckpointError when the config has none)."""
+    `mtp`: also load the MTP layers as `model.mtp` (a CheckpointError when the config has none).
+    `experts_loaded(model, moe_name)`: called once a MoE layer's routed experts are in memory, before
+    the next layer's are read, so they can move out of the device (expert offload) as they arrive."""
     directory = Path(directory)
     config = ModelConfig.from_file(directory / "config.json")
     if config.is_v41 and not simulate_quantization:
@@ -344,6 +347,7 @@ def load_model(
     if config.engram is not None:
         ignored += ("model.engram_tables.",)  # disk tiers read files
     total = reader.source.stored_bytes(ignored) if tp.world_size == 1 else None
+    arrived = ExpertsArrival(experts_loaded)
     with Progress(f"loading {directory.name}", total, log, enabled=tp.rank == 0) as progress:
         for full_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             progress.update(reader.source.bytes_read - progress.done)  # what the parameter before read
@@ -357,14 +361,18 @@ def load_model(
                     _assign(model, full_name, values.to(device))
                     _assign(model, f"{owner}.weight_scale", scale.to(device))
                 continue
-            if keep_quantized and isinstance(model.get_submodule(owner), Experts):
+            experts = model.get_submodule(owner) if isinstance(model.get_submodule(owner), Experts) else None
+            packed = None
+            if keep_quantized and experts is not None:
                 packed = _read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
-                if packed is not None:
-                    model.get_submodule(owner).keep_packed(leaf, packed[0].to(device), packed[1].to(device))
-                    continue
-            value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
-            value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
-            _assign(model, full_name, value)
+            if packed is not None:
+                experts.keep_packed(leaf, packed[0].to(device), packed[1].to(device))
+            else:
+                value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+                value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
+                _assign(model, full_name, value)
+            if experts is not None:
+                arrived.note(model, owner, leaf)
         progress.update(reader.source.bytes_read - progress.done)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -518,6 +526,25 @@ def _stack_experts(
         rows = shape[1] // len(wanted)
         matrices.append(torch.cat([reader.read(stored[w], torch.Size((rows, shape[2]))) for w in wanted]))
     return torch.stack(matrices)
+
+
+ExpertsLoaded = Callable[[nn.Module, str], None]
+
+
+class ExpertsArrival:
+    """Tells `experts_loaded` (if any) the name of each MoE module whose Experts have both projections."""
+
+    LEAVES = frozenset({"gate_up_proj", "down_proj"})
+
+    def __init__(self, experts_loaded: ExpertsLoaded | None) -> None:
+        self.experts_loaded = experts_loaded
+        self.seen: dict[str, set[str]] = {}
+
+    def note(self, model: nn.Module, experts_name: str, leaf: str) -> None:
+        seen = self.seen.setdefault(experts_name, set())
+        seen.add(leaf)
+        if seen == self.LEAVES and self.experts_loaded is not None:
+            self.experts_loaded(model, experts_name.rpartition(".")[0])
 
 
 def _assign(model: nn.Module, full_name: str, value: torch.Tensor) -> None:

@@ -32,7 +32,15 @@ from contract.progress import Progress
 from kernels.quant import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks, quantize_mxfp4
 from models.config import ConfigError, ModelConfig
 from models.layers import Fp8Linear
-from models.loader import _assign, _target_dtype, cuts_whole_blocks, fp8_candidates, swap_in_fp8
+from models.loader import (
+    ExpertsArrival,
+    ExpertsLoaded,
+    _assign,
+    _target_dtype,
+    cuts_whole_blocks,
+    fp8_candidates,
+    swap_in_fp8,
+)
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.moe import Experts
@@ -93,11 +101,14 @@ def meta_model(config: ModelConfig, tp: TensorParallel = SINGLE, mtp: bool = Fal
 def draw_weights(
     model: DeepseekV4 | DeepseekV41, seed: int, dtype: torch.dtype, device: str,
     released: ReleasedFormat | None = None, progress: Progress | None = None,
+    experts_drawn: ExpertsLoaded | None = None,
 ) -> None:
     """Fills `model` (from `meta_model`) in place on `device`: each parameter and buffer in the dtype
     the loader gives it (norms, mHC, sinks and biases float32; the rest `dtype`), or in the release's
-    formats. Engram tables are not parameters: the caller attaches them."""
+    formats. Engram tables are not parameters: the caller attaches them. `experts_drawn`: as
+    load_model's `experts_loaded`, called once each MoE layer's routed experts are drawn."""
     config = model.config
+    arrived = ExpertsArrival(experts_drawn)
     held_fp8 = _swap_in_fp8(model, released) if released is not None else set()
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -120,6 +131,8 @@ def draw_weights(
             _assign(model, name, _cut(value, shard).to(target))
         if progress is not None:
             progress.update(_held_bytes(model, name))
+        if isinstance(module, Experts):  # after the count above: the callback may move them off the device
+            arrived.note(model, owner, leaf)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 

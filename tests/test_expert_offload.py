@@ -164,3 +164,30 @@ def test_a_server_with_offloaded_experts_answers_as_the_resident_one(checkpoints
                float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("ds4serve:expert_offload")}
     assert figures["ds4serve:expert_offload_pairs_totalstaged"] > 0 and figures["ds4serve:expert_offload_copies_total"] > 0
     assert figures["ds4serve:expert_offload_bytes_copied_total"] > 0
+
+
+@pytest.mark.parametrize("dummy", [False, True], ids=["checkpoint", "dummy"])
+def test_the_loaders_offload_each_layer_as_its_experts_arrive(checkpoints, tmp_path, dummy):
+    """With `experts_loaded`, a layer's experts are offloaded before the next layer's are read (the
+    device never holds them all) and the model equals one offloaded after loading, bitwise."""
+    from models.dummy_weights import build_dummy_model
+    from models.expert_offload import LayerOffload
+
+    directory = checkpoints["mixed"]
+    later_meta = []
+
+    class Watch(LayerOffload):
+        def __call__(self, model, moe_name):
+            super().__call__(model, moe_name)
+            later = [m for n, m in model.named_modules() if isinstance(m, Experts) and n > moe_name]
+            later_meta.append(all(m.gate_up_proj.is_meta for m in later))
+
+    watch = Watch(resident=2, staging=6)
+    if dummy:
+        streamed, whole = (build_dummy_model(directory, seed=3, experts_loaded=watch), build_dummy_model(directory, seed=3))
+    else:
+        streamed, whole = load_model(directory, experts_loaded=watch), load_model(directory)
+    layers = offload_experts(whole, resident_per_layer=2, staging=6)
+    assert watch.layers == layers == streamed.config.num_layers and all(later_meta)
+    tokens = list(range(5, 17))
+    assert torch.equal(full_forward(streamed, tokens), full_forward(whole, tokens))
