@@ -149,13 +149,18 @@ class SpeculativeSection(Section):
     forward (worker/runner.py), greedy or by rejection sampling, so the output is the target's either way.
     Methods: mtp (V4's MTP layer, `mtp.*`, chained for K > 1; vLLM's older name deepseek_mtp is taken too),
     ngram (vLLM's prompt lookup: the tokens after the latest earlier match of the longest suffix of
-    prompt_lookup_min..prompt_lookup_max tokens), dspark (V4-Flash-0731 / V4.1 draft layers: not built yet,
-    contract/features.py refuses it)."""
+    prompt_lookup_min..prompt_lookup_max tokens), dspark (V4.1's DSpark draft layers, models/dspark.py: a
+    block of drafts from taps of the target, in the checkpoint directory `model` names, as vLLM names a
+    separate draft model; the release ships them inside the target's, so that may be the target's own)."""
 
     method: Literal["mtp", "ngram", "dspark"]
     num_speculative_tokens: int = Field(gt=0, le=15)
     prompt_lookup_min: int | None = Field(default=None, gt=0)  # ngram only; default 1
     prompt_lookup_max: int | None = Field(default=None, gt=0)  # ngram only; default max(4, prompt_lookup_min)
+    model: str | None = None  # dspark only (and required): the draft checkpoint's directory
+    # dspark only: DeepSpec's --confidence-threshold, the drafts cut before the first whose confidence
+    # head's score (a sigmoid) is below it; 0 (the default) keeps them all
+    confidence_threshold: float | None = Field(default=None, ge=0, le=1)
     # ds4serve's: each step verifies the number of drafts (0 .. num_speculative_tokens) with the most
     # expected tokens per second, from measured acceptance and step cost (scheduler/spec_policy.py);
     # false: always num_speculative_tokens, as vLLM
@@ -173,6 +178,15 @@ class SpeculativeSection(Section):
             raise ValueError(f"prompt_lookup_min / prompt_lookup_max are for method ngram, not {self.method}")
         if self.method == "ngram" and self.lookup_sizes[0] > self.lookup_sizes[1]:
             raise ValueError(f"prompt_lookup_min {self.lookup_sizes[0]} is above prompt_lookup_max {self.lookup_sizes[1]}")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model(self) -> "SpeculativeSection":
+        if self.method == "dspark" and not self.model:
+            raise ValueError("method dspark needs model: the directory of its draft checkpoint (config.json with"
+                             " the dspark_* keys and the mtp.* tensors; the target's own directory when they ship in it)")
+        if self.method != "dspark" and (self.model is not None or self.confidence_threshold is not None):
+            raise ValueError(f"model / confidence_threshold are for method dspark, not {self.method}")
         return self
 
     @property

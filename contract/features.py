@@ -2,8 +2,8 @@
 
 Two kinds, because `python -m server plan` treats them differently:
 - *plannable*: `plan` computes the rig and lists them under "needs"; serving refuses them. FP8 / MXFP4
-  weights kept as stored were one until issue 8 built them; DSpark drafting (--speculative-config's
-  method dspark) is one now: its plan is the rig's without the draft layers.
+  weights kept as stored were one until issue 8 built them, DSpark drafting (--speculative-config's
+  method dspark) until issue 27 did.
 - *unplannable*: expert offload to NVMe (offload.experts: disk), whose split is not designed yet. Nothing
   can be planned with it, so `plan` refuses it (saying whether the rig fits without it), and so does
   serving. offload.experts: host is plannable (engine/expert_placement.py) and serves on the CPU.
@@ -38,8 +38,4 @@ def unbuilt_features(config: ServeConfig) -> list[Unbuilt]:
     elif config.offload.experts == "disk":
         found.append(Unbuilt("offload.experts",
                              f"{config.offload.experts!r}: expert offload to NVMe is not built yet (issue 28)", False))
-    speculative = config.runtime.speculative_config
-    if speculative is not None and speculative.method == "dspark":
-        found.append(Unbuilt("runtime.speculative_config.method (--speculative-config)",
-                             "'dspark': DSpark's draft layers are not built yet (issue 27); use mtp or ngram", True))
     return found

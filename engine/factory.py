@@ -49,8 +49,9 @@ from engine.prefix_catalog import (
 from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
-from models import SINGLE, ModelConfig, TensorParallel, load_model
+from models import SINGLE, ConfigError, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
+from models.dspark import DSparkConfig, attach_dspark
 from models.dummy_weights import build_dummy_model
 from models.expert_offload import LayerOffload
 from scheduler import Scheduler
@@ -172,18 +173,39 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
 
 def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
     """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
-    have (V4.1 drafts with DSpark's layers, not built yet, or ngram)."""
+    have; dspark with V4.1's DSpark layers, from a DSpark checkpoint of this model (models/dspark.py)."""
     speculative = config.runtime.speculative_config
     if speculative is None:
         return
     if model_config.is_v41 and speculative.method == "mtp":
         raise EngineConfigError(
             f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir} is DeepSeek-V4.1,"
-            " which drafts with DSpark's layers (not built yet, issue 27); use method ngram")
+            " which drafts with DSpark's layers; use method dspark (its draft checkpoint as model) or ngram")
+    if speculative.method == "dspark":
+        check_dspark(config, model_config)
     if speculative.method == "mtp" and not model_config.num_nextn_predict_layers:
         raise EngineConfigError(
             f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir}'s config.json has no"
             " MTP layer (num_nextn_predict_layers 0); use method ngram")
+
+
+def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
+    """The directory `model` names holds a DSpark draft of this model, whose block has room for the drafts."""
+    speculative = config.runtime.speculative_config
+    if not model_config.is_v41:
+        raise EngineConfigError(
+            f"runtime.speculative_config (--speculative-config) method dspark: {config.model_dir} is"
+            f" {model_config.model_type}; DSpark drafts are built for DeepSeek-V4.1 (V4-Flash-0731's are not);"
+            " use method mtp or ngram")
+    try:
+        draft = DSparkConfig.from_file(Path(speculative.model) / "config.json", model_config)
+    except ConfigError as exc:
+        raise EngineConfigError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a"
+                                f" DSpark draft of {config.model_dir} is needed: {exc}") from exc
+    if speculative.num_speculative_tokens > draft.block_size:
+        raise EngineConfigError(
+            f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {speculative.num_speculative_tokens}"
+            f": the DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
 
 
 def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftProposer | None:
@@ -193,7 +215,8 @@ def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftPr
         return None
     low, high = speculative.lookup_sizes
     return build_proposer(speculative.method, model, config.scheduler.max_num_seqs, max_model_len(config, model.config),
-                          speculative.num_speculative_tokens, prompt_lookup_min=low, prompt_lookup_max=high)
+                          speculative.num_speculative_tokens, prompt_lookup_min=low, prompt_lookup_max=high,
+                          confidence_threshold=speculative.confidence_threshold or 0.0)
 
 
 def graphs_on(config: "ServeConfig") -> bool:
@@ -343,6 +366,9 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     if offload is not None:
         log.info("expert offload: %d of %d routed experts a layer resident, %d staging slots, %d layers",
                  placement.gpu_per_layer, placement.experts_per_layer, placement.staging_slots, offload.layers)
+    speculative = config.runtime.speculative_config
+    if speculative is not None and speculative.method == "dspark":  # after the offload: its experts stay resident
+        attach_dspark(model, Path(speculative.model), tp)
     return model
 
 

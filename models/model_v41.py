@@ -52,10 +52,14 @@ class DecoderLayerV41(nn.Module):
         selections: list[ChunkSelection],
         trace: SelectionTrace | None,
         engram_rows: torch.Tensor | None,
+        tap: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre)."""
+        """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre). `tap` [T, D]:
+        receives the mean of the streams this layer's attention site reads (after its Engram)."""
         if self.engram is not None:
             streams = self.engram(streams, engram_rows)
+        if tap is not None:
+            tap.copy_(streams.mean(dim=1))
         attn_pre, post, comb, collapsed = self.attn_hc.site(streams, collapse_pre=pre)
         out = self.self_attn(self.input_layernorm(collapsed), batch, cache, selections, trace)
         streams = merge_streams(streams, post, comb, out)
@@ -83,12 +87,26 @@ class DeepseekV41(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None, out: torch.Tensor | None = None
+        self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None, out: torch.Tensor | None = None,
+        taps_out: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
         (written into `out` when the caller owns the buffer). `trace`, when given, records the indexers'
-        selections and the Engram row ids (tests, debugging)."""
+        selections and the Engram row ids (tests, debugging). `taps_out`: layer -> [T, hidden] buffer
+        receiving every row's mean stream entering that layer's attention (DSpark's taps, models/dspark.py)."""
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
+        streams, pre = self.residual_streams(batch, cache, trace, taps_out)
+        last = batch.logits_rows
+        return logits_into(self.head(streams[last], pre[last]), out)
+
+    def residual_streams(
+        self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None,
+        taps_out: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s layers over a batch whose chunks have their pages, on the model's device: appends
+        the chunks to their slots' state and returns every row's (streams [T, hc, D], last pre [T, hc])
+        before the head collapses them. Outside inference mode, so a training step differentiates
+        through the serving math itself (tools/train_tiny.py)."""
         for chunk in batch.chunks:
             assert 0 <= chunk.slot < cache.num_slots, f"slot {chunk.slot} outside the cache"
             assert chunk.end_position <= cache.capacity(chunk.pages), f"slot {chunk.slot} would pass its pages"
@@ -105,10 +123,13 @@ class DeepseekV41(nn.Module):
                 rows = None
                 if index in engram_index:
                     rows = self.engram_memory.rows(engram_step, engram_index[index])
-                streams, pre = layer(streams, pre, batch, cache, selections, trace, rows)
-        last = batch.logits_rows
-        hidden = self.model.norm(collapse(pre[last], streams[last]))
-        return logits_into(self.lm_head(hidden), out)
+                tap = taps_out.get(index) if taps_out else None
+                streams, pre = layer(streams, pre, batch, cache, selections, trace, rows, tap)
+        return streams, pre
+
+    def head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Logits (in the head's dtype) of rows' streams [N, hc, D] collapsed by their last pre [N, hc]."""
+        return self.lm_head(self.model.norm(collapse(pre, streams)))
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, cache: ModelCache, engram_rows: list[torch.Tensor] | None = None) -> torch.Tensor:

@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         "enforce_eager", "no CUDA graphs: every decode step runs eagerly"))
     group("--speculative-config", action=JsonObject, metavar="JSON", help=config_help(
         "speculative_config", "vLLM's speculative decoding, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'"
-        " (methods mtp, ngram with prompt_lookup_min / prompt_lookup_max; dspark is not built yet)"))
+        " (methods mtp, ngram with prompt_lookup_min / prompt_lookup_max, dspark with model: its draft checkpoint's"
+        " directory, and confidence_threshold)"))
     group("--language-model-only", action="store_true", help="accepted: only the language model is loaded")
     group("--mm-encoder-tp-mode", metavar="MODE", help="not built: no vision encoder is loaded")
     group("--kv-transfer-config", action=JsonObject, metavar="JSON",

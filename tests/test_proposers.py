@@ -38,19 +38,20 @@ def chunk(runner: ModelRunner, tokens: tuple[int, ...], position: int, sample: b
                           num_generated=generated, draft_token_ids=drafts)
 
 
-def decode(runner: ModelRunner, length: int, on_step=None) -> tuple[list[TokenLogprob], list[int]]:
-    """Greedy decoding of PROMPT (prefilled in chunks of 11, 11 and 5) for `length` tokens, each step's
+def decode(runner: ModelRunner, length: int, on_step=None, prompt: tuple[int, ...] = PROMPT
+           ) -> tuple[list[TokenLogprob], list[int]]:
+    """Greedy decoding of `prompt` (prefilled in chunks of 11, 11 and 5) for `length` tokens, each step's
     drafts the step before's `proposed`; also how many drafts each verify step accepted."""
     for start in (0, 11):
-        (result,) = runner.execute(StepPlan((chunk(runner, PROMPT[start:start + 11], start, False),))).chunks
+        (result,) = runner.execute(StepPlan((chunk(runner, prompt[start:start + 11], start, False),))).chunks
         assert result.sampled is None and result.proposed == ()
-    (result,) = runner.execute(StepPlan((chunk(runner, PROMPT[22:], 22, True),))).chunks
+    (result,) = runner.execute(StepPlan((chunk(runner, prompt[22:], 22, True),))).chunks
     out, accepted = list(result.new_tokens), []
     while len(out) < length:
         drafts = result.proposed
         if on_step is not None:
             on_step(out, drafts)
-        position = len(PROMPT) + len(out) - 1
+        position = len(prompt) + len(out) - 1
         (result,) = runner.execute(StepPlan((chunk(runner, (out[-1].token_id,), position, True, len(out),
                                                    drafts),))).chunks
         assert result.error is None

@@ -2,7 +2,8 @@
 
 After each step the runner tells its proposer what the step computed (`ComputedChunk`: a chunk, how
 many of its forwarded tokens stand, the token drawn after them, the target's residual streams at its
-rows) and gets back up to K drafts per sampling request, which it reports as ChunkResult.proposed;
+rows, or its taps of target layers) and gets back up to K drafts per sampling request, which it reports
+as ChunkResult.proposed;
 the scheduler may send them back as that request's next drafts. Verification (worker/runner.py) makes
 any draft safe: a proposer changes how many tokens a step yields, never which.
 
@@ -13,6 +14,8 @@ any draft safe: a proposer changes how many tokens a step yields, never which.
   target's do). The last kept row of a sampling chunk predicts the first draft; K - 1 chained steps the
   rest (argmax: deterministic drafts, which the runner's rejection sampling against a one-hot draft
   verifies exactly). A prompt chunk's last row waits for the next chunk's first token (`_waiting`).
+- `DSparkProposer` ("dspark", V4.1; worker/dspark.py): DSpark's draft layers (models/dspark.py), a block
+  of drafts a step from the target's taps (the streams entering `tap_layers`) and the drawn token.
 - `NgramProposer` ("ngram", any model; vLLM's prompt lookup): the longest suffix of the sequence, of
   `min_n` to `max_n` tokens, that occurred before; the tokens after its latest earlier occurrence.
 """
@@ -27,8 +30,9 @@ import torch
 from contract import ScheduledChunk
 from models import DecodeBatch, DeepseekV4, ForwardBatch, ModelConfig
 from models.mtp import allocate_mtp_cache, greedy_drafts
+from worker.dspark import DSparkProposer
 
-PROPOSER_METHODS = ("mtp", "ngram")
+PROPOSER_METHODS = ("mtp", "ngram", "dspark")
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,14 @@ class ComputedChunk:
     """One chunk as its step left it: `kept` leading forwarded tokens stand (all of a prompt chunk's; a
     verify chunk's own token and its accepted drafts), `next_token` was drawn after them (None: the
     chunk does not sample), `streams` are the target's pre-head residual streams at its forwarded
-    tokens [len(forwarded), hc_mult, hidden] (None: not kept)."""
+    tokens [len(forwarded), hc_mult, hidden] (None: not kept), `taps` the mean stream entering each of
+    the proposer's `tap_layers` there [len(forwarded), len(tap_layers), hidden] (None: not kept)."""
 
     chunk: ScheduledChunk
     kept: int
     next_token: int | None
     streams: torch.Tensor | None = None
+    taps: torch.Tensor | None = None
 
     @property
     def forwarded(self) -> tuple[int, ...]:
@@ -53,6 +59,8 @@ class DraftProposer(Protocol):
 
     # the proposer reads the target's pre-head residual streams (the runner keeps them then)
     needs_streams: bool
+    # target layers whose incoming streams (their mean) the proposer reads (the runner keeps them; () none)
+    tap_layers: tuple[int, ...]
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         """request id -> its drafts (at most the proposer's K), for the chunks that sampled."""
@@ -69,6 +77,7 @@ class NgramProposer:
     tokens are not seen: the history starts at the first computed chunk)."""
 
     needs_streams = False
+    tap_layers: tuple[int, ...] = ()
 
     def __init__(self, num_slots: int, k: int, min_n: int = 1, max_n: int = 4, window: int = 4096) -> None:
         if not 1 <= min_n <= max_n:
@@ -112,6 +121,7 @@ class MTPProposer:
     """V4's MTP layer as the draft model, with its own cache (one window ring per request slot)."""
 
     needs_streams = True
+    tap_layers: tuple[int, ...] = ()
 
     def __init__(self, model: DeepseekV4, num_slots: int, max_model_len: int, k: int) -> None:
         if model.mtp is None:
@@ -183,8 +193,12 @@ def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len:
 
 
 def build_proposer(method: str, model: DeepseekV4, num_slots: int, max_model_len: int, k: int,
-                   prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> DraftProposer:
-    """The proposer of `method` (one of PROPOSER_METHODS) drafting `k` tokens."""
+                   prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
+                   confidence_threshold: float = 0.0) -> DraftProposer:
+    """The proposer of `method` (one of PROPOSER_METHODS) drafting `k` tokens (dspark: with the draft
+    layers attached to `model`, models/dspark.py attach_dspark)."""
+    if method == "dspark":
+        return DSparkProposer(model, num_slots, k, confidence_threshold)
     if method == "mtp":
         return MTPProposer(model, num_slots, max_model_len, k)
     if method == "ngram":

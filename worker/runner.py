@@ -106,6 +106,8 @@ class StepContext:
     accepted: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # a drafting chunk's passed drafts
     # the pre-head residual streams of each chunk's forwarded rows (for a proposer that reads them)
     streams: dict[str, torch.Tensor] = field(default_factory=dict)
+    # each chunk's taps: the mean stream entering each of the proposer's tap layers [rows, taps, hidden]
+    taps: dict[str, torch.Tensor] = field(default_factory=dict)
     proposed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the proposer's next drafts
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     look_backs: dict[str, list[int]] = field(default_factory=dict)  # V4.1: a drafting chunk's Engram look-back before it
@@ -170,7 +172,8 @@ class ModelRunner:
         defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py). `draft_tokens`: the
         most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
         the module docstring). `proposer`: proposes each sampling request's next drafts after a step
-        (worker/proposers.py; the verify graphs keep the streams an MTP proposer reads). A proposer turns
+        (worker/proposers.py; the verify graphs keep the streams an MTP proposer reads; the taps a DSpark
+        proposer reads come from the eager forward, so such a runner captures no graphs). A proposer turns
         pending inputs off: its drafts come from a step's result, so a decode's next chunk waits for it."""
         self.model = model
         self.proposer = proposer
@@ -182,7 +185,7 @@ class ModelRunner:
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
-                  and not deterministic and tp.world_size == 1)
+                  and not deterministic and tp.world_size == 1 and not self._keeps_taps)
         scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
@@ -327,6 +330,10 @@ class ModelRunner:
     def _keeps_streams(self) -> bool:
         return self.proposer is not None and self.proposer.needs_streams
 
+    @property
+    def _keeps_taps(self) -> bool:
+        return self.proposer is not None and bool(self.proposer.tap_layers)
+
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[list[DecodeRow | None]]:
         """One-token chunks (and their drafts) as the decode graph's rows, wave by wave: one wave
         without drafts, else the verify graphs' 1 + draft_tokens. A PENDING_TOKEN input names its row
@@ -419,11 +426,20 @@ class ModelRunner:
             config = self.model.config
             kept["streams_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, config.hidden_size,
                                               dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
+        taps = None
+        if self._keeps_taps:  # a DSpark proposer's (V4.1)
+            layers = self.proposer.tap_layers
+            taps = torch.empty(batch.token_ids.shape[0], len(layers), self.model.config.hidden_size,
+                               dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
+            kept["taps_out"] = {layer: taps[:, i] for i, layer in enumerate(layers)}
         with BatchInvariantMode() if self.deterministic else nullcontext():
             logits = self.model(batch, self.cache, out=out, **kept)
-        if kept:
-            for chunk, batch_chunk in zip(chunks, batch.chunks):
-                step.streams[chunk.request_id] = kept["streams_out"][batch_chunk.start : batch_chunk.start + batch_chunk.length]
+        for chunk, batch_chunk in zip(chunks, batch.chunks):
+            rows = slice(batch_chunk.start, batch_chunk.start + batch_chunk.length)
+            if "streams_out" in kept:
+                step.streams[chunk.request_id] = kept["streams_out"][rows]
+            if taps is not None:
+                step.taps[chunk.request_id] = taps[rows]
         failed = self._engram_failures(batch.token_ids.shape[0])
         offset = 0
         for chunk, rows, batch_chunk in zip(chunks, logit_rows, batch.chunks):
@@ -511,7 +527,7 @@ class ModelRunner:
 
     def _computed_chunks(self, step: StepContext) -> list[ComputedChunk]:
         """What the step left of each chunk that did not fail, as the proposer reads it: the forwarded
-        tokens that stand, the token drawn after them, their streams."""
+        tokens that stand, the token drawn after them, their streams and taps."""
         computed = []
         for chunk in step.plan.chunks:
             rid = chunk.request_id
@@ -519,7 +535,8 @@ class ModelRunner:
                 continue
             sampled = step.sampled.get(rid)
             computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
-                                          None if sampled is None else sampled.token_id, step.streams.get(rid)))
+                                          None if sampled is None else sampled.token_id, step.streams.get(rid),
+                                          step.taps.get(rid)))
         return computed
 
     def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:

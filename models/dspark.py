@@ -1,0 +1,458 @@
+"""DSpark draft layers for DeepSeek-V4.1 (issue 27): a block of drafts per step from taps of the target.
+
+What DSpark is, from DeepSeek's DeepSpec (`deepspec/modeling/dspark`: the draft model, its mask token,
+target-layer taps, Markov and confidence heads; `deepspec/eval/dspark`: how a block is proposed and cut)
+and, for this family's layers, DeepSeek-V4.1-Flash's own `inference/model.py` (`DSparkBlock`,
+`DSparkAttention`, `forward_spec`: its stages are V4.1 sliding-window layers with mHC and a routed MoE,
+stored beside the model as `mtp.{i}.*`). Written from that math, not from their code.
+
+For one sequence whose target computed positions up to L and drew the token t at L + 1:
+
+    tap[p]   = concat over j of mean_hc(streams entering target layer dspark_target_layer_ids[j], at p)
+               (after that layer's Engram; the release: "reads the attention input of its target layers")
+    main[p]  = main_norm(main_proj(tap[p]))                                   (stage 0's, [D])
+    ctx_i[p] = fp8(rope(kv_norm_i(kv_proj_i(main[p])), p))     stage i's context key (= value) at p: the
+               release keeps the last `sliding_window` of them per stage in a ring (`allocate_rings`)
+    block    = [t, noise, ..., noise] (dspark_block_size tokens, DeepSpec's mask token) at L + 1 .. L + B
+    x        = embed(block) on every mHC stream; each stage a V4.1 layer (mHC sites, attention, MoE) whose
+               attention has the block rows as queries and as keys both ctx_i over (L - window, L] and
+               the block's own keys, every block row seeing every other (no causal mask), with the sinks
+    h        = collapse(streams, the last stage's ffn `pre`)            (V4.1 has no hc_head; pre-norm)
+    logits_j = lm_head(norm(h_j)) + markov(prev_j),  markov(x) = head(embed(x)) (rank dspark_markov_rank)
+               prev_0 = t, prev_j = draft_{j-1}: the low-rank Markov head conditions each position on the
+               draft before it, so the block is sampled left to right after one parallel forward
+    draft_j  = argmax logits_j                        (drafts are greedy here: see worker/dspark.py)
+    conf_j   = confidence_head([h_j, embed(prev_j)])  a logit; DeepSpec cuts the block before the first
+               position whose sigmoid is below its --confidence-threshold (0: keeps the whole block)
+
+The embedding and the vocabulary head are the target's (DeepSpec trains frozen copies of them; the
+release shares them). Block position j predicts the token at L + 2 + j, so a block of B gives B drafts
+(verify width B + 1); fewer wanted are the block's first ones (every block row sees every other, so the
+whole block always runs).
+
+Tensor names, under `mtp.{i}.` (stage i < n; D hidden, hd head dim, r the Markov rank, V the vocabulary,
+E draft experts of width I). A checkpoint may use the release's spellings instead, read as these:
+
+| this project (`mtp.{i}.`)                        | DeepSpec (Qwen3 DSpark)        | release (`mtp.{i}.`)      |
+| ------------------------------------------------ | ------------------------------ | ------------------------- |
+| main_proj.weight [D, taps * D] (stage 0)         | fc.weight                      | main_proj.weight          |
+| main_norm.weight [D] (stage 0)                   | hidden_norm.weight             | main_norm.weight          |
+| block.self_attn.q_a_proj / q_a_norm / q_b_proj   | layers.{i}.self_attn.q_proj    | attn.wq_a / q_norm / wq_b |
+| block.self_attn.kv_proj / kv_norm [hd, D], [hd]  | self_attn.k_proj, v_proj, k_norm | attn.wkv / kv_norm      |
+| block.self_attn.o_a_proj / o_b_proj (grouped)    | self_attn.o_proj               | attn.wo_a / wo_b          |
+| block.self_attn.sinks [heads]                    | (none)                         | attn.attn_sink            |
+| block.mlp.gate.weight, .e_score_correction_bias(_vl) | (a dense mlp)              | ffn.gate.weight, .bias(_vl) |
+| block.mlp.experts.gate_up_proj [E, 2I, D], down_proj [E, D, I] | -                | ffn.experts.{e}.w1, w3, w2 |
+| block.mlp.shared_experts.gate_proj / up_proj / down_proj | -                      | ffn.shared_experts.w1 / w3 / w2 |
+| block.input_layernorm / post_attention_layernorm | input_layernorm / post_attention_layernorm | attn_norm / ffn_norm |
+| block.attn_hc / ffn_hc .fn, .base, .scale (mHC)  | (none: one residual stream)    | hc_attn_* / hc_ffn_*      |
+| norm.weight [D] (stage n - 1)                    | norm.weight                    | norm.weight               |
+| markov_head.embed.weight [V, r] (stage n - 1)    | markov_head.markov_w1.weight   | markov_head.embed.weight  |
+| markov_head.head.weight [V, r] (stage n - 1)     | markov_head.markov_w2.weight   | markov_head.head.weight   |
+| confidence_head.proj.weight [1, D + r] (.bias)   | confidence_head.proj.weight, .bias | confidence_head.proj.weight |
+
+config.json keys (the release's, in the target's config): num_nextn_predict_layers (the stages; DeepSpec's
+num_draft_layers), dspark_block_size (block_size), dspark_noise_token_id (mask_token_id),
+dspark_target_layer_ids (target_layer_ids), dspark_markov_rank (markov_rank, a "vanilla" head),
+dspark_n_routed_experts / dspark_num_experts_per_tok (the stages' MoE; the target's when absent), and
+the stages' compress_ratios after the layers' (0: sliding window only). A draft directory is such a
+config.json with the `mtp.*` tensors: the release ships them inside the target's checkpoint, so the
+target's own directory is one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from kernels import fake_quant_fp8_ue8m0
+from models.attention import add_attention_projections, attention_output
+from models.config import MOE, SLIDING, ConfigError, ModelConfig
+from models.config_v41 import text_config
+from models.hyper import HyperConnection, collapse, merge_streams
+from models.layers import RMSNorm, RotaryTable, apply_rope
+from models.loader import (
+    CheckpointError,
+    TensorSource,
+    WeightReader,
+    _assign,
+    _read_parameter,
+    _target_dtype,
+    fp8_block,
+)
+from models.moe import MoE
+from models.parallel import SINGLE, TensorParallel, shard_of
+from models.weight_names import ExpertParts, NameIndex, module_name
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """A DSpark checkpoint's draft settings, checked against its target (`from_file`)."""
+
+    stages: int  # draft layers (num_nextn_predict_layers)
+    block_size: int  # drafts a block proposes (verify width block_size + 1)
+    noise_token_id: int  # the block's filler after its first token (DeepSpec's mask token)
+    tap_layers: tuple[int, ...]  # target layers whose attention input feeds main_proj, in order
+    markov_rank: int
+    layers: ModelConfig  # the stages as the layers of a model: sliding V4.1 layers with the draft MoE
+
+    @classmethod
+    def from_file(cls, path: str | Path, target: ModelConfig) -> "DSparkConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read the draft config: {exc}") from exc
+        try:
+            return cls.from_dict(raw, target)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], target: ModelConfig) -> "DSparkConfig":
+        d = text_config(raw)
+        if not d.get("dspark_block_size"):
+            raise ConfigError("no dspark_block_size: not a DSpark checkpoint")
+        if not target.is_v41:
+            raise ConfigError(f"DSpark drafts are built for DeepSeek-V4.1; the target is {target.model_type}")
+        base = ModelConfig.from_dict(raw)
+        differing = [key for key in ("hidden_size", "vocab_size", "hc_mult", "head_dim", "num_heads")
+                     if getattr(base, key) != getattr(target, key)]
+        if not base.is_v41:
+            differing.append("model_type")
+        if differing:
+            raise ConfigError(f"the draft does not fit the target model: its {', '.join(differing)} differ")
+        stages, block = d.get("num_nextn_predict_layers") or 0, int(d["dspark_block_size"])
+        taps = tuple(int(i) for i in d.get("dspark_target_layer_ids") or ())
+        if stages < 1 or block < 1:
+            raise ConfigError(f"num_nextn_predict_layers {stages} and dspark_block_size {block} must be >= 1")
+        if not taps or list(taps) != sorted(set(taps)) or not all(0 <= i < target.num_layers for i in taps):
+            raise ConfigError(f"dspark_target_layer_ids {list(taps)}: increasing layers of the target's "
+                              f"{target.num_layers}")
+        noise = d.get("dspark_noise_token_id")
+        if not isinstance(noise, int) or not 0 <= noise < target.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id {noise!r} is not a token id below {target.vocab_size}")
+        ratios = list(d.get("compress_ratios") or [])[base.num_layers: base.num_layers + stages]
+        if any(int(r) for r in ratios):
+            raise ConfigError(f"compress_ratios of the DSpark stages {ratios}: they attend a sliding window (0)")
+        layers = replace(
+            base, num_layers=stages, layer_types=(SLIDING,) * stages, compress_rates=(0,) * stages,
+            mlp_layer_types=(MOE,) * stages, engram=None, shared_compression=None,
+            n_routed_experts=int(d.get("dspark_n_routed_experts") or base.n_routed_experts),
+            num_experts_per_tok=int(d.get("dspark_num_experts_per_tok") or d.get("dspark_n_activated_experts")
+                                    or base.num_experts_per_tok),
+            simulate_quantization=target.simulate_quantization,
+        )
+        return cls(stages=stages, block_size=block, noise_token_id=noise, tap_layers=taps,
+                   markov_rank=int(d.get("dspark_markov_rank", 256)), layers=layers)
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """One drafting step's blocks: N sequences of `block` rows each, sequence-major (row n * block + j is
+    sequence n's block position j). A sequence's context is its slot's ring at positions [first, last]
+    (within the window ending at `last`)."""
+
+    token_ids: torch.Tensor  # [N * block] int64: each block's token, then noise tokens
+    positions: torch.Tensor  # [N * block] int64: last + 1 ..
+    slots: torch.Tensor  # [N] int64
+    last: torch.Tensor  # [N] int64: the position of the last context row (the target's last kept row)
+    first: torch.Tensor  # [N] int64: the first position the slot's ring holds for this sequence
+    block: int
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, int, int]], block: int, noise_token_id: int,
+              device: torch.device | str) -> "BlockBatch":
+        """rows: (slot, block token, last context position, first context position) per sequence."""
+        tokens = [[token] + [noise_token_id] * (block - 1) for _, token, _, _ in rows]
+        positions = [list(range(last + 1, last + 1 + block)) for _, _, last, _ in rows]
+
+        def ints(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device)
+
+        return cls(ints(tokens).flatten(), ints(positions).flatten(), ints([r[0] for r in rows]),
+                   ints([r[2] for r in rows]), ints([r[3] for r in rows]), block)
+
+    def context(self, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's ring rows [N, rows, hd] and which of them hold a context position: row r
+        holds last - ((last - r) mod rows), a position of the window (last - rows, last], valid from
+        `first` on."""
+        width = ring.shape[1]
+        rows = torch.arange(width, device=ring.device)[None, :]
+        held = self.last[:, None] - (self.last[:, None] - rows) % width
+        return ring[self.slots], held >= self.first[:, None]
+
+
+def allocate_rings(config: DSparkConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str
+                   ) -> torch.Tensor:
+    """The stages' context keys [stages, slots, sliding_window, head_dim]: position p of a slot's sequence
+    at row p % sliding_window (the release's window cache; nothing else of a sequence is kept)."""
+    c = config.layers
+    return torch.zeros(config.stages, num_slots, c.sliding_window, c.head_dim, dtype=dtype, device=device)
+
+
+class DSparkAttention(nn.Module):
+    """A V4.1 sliding-window attention whose keys (= values) are the context's, made from main_x, and the
+    block's own; the block's rows attend both, every row every block row."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.head_dim, self.tp = config.head_dim, tp
+        self.num_heads = add_attention_projections(self, config, tp)
+        self.rope = RotaryTable(config.main_rope)  # window-only: the plain rope, no YaRN
+        self.quantize_kv = fake_quant_fp8_ue8m0 if config.simulate_quantization else (lambda x: x)
+
+    def context_keys(self, main: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[R, D] projected taps at `positions` -> their keys [R, head_dim], roped and fp8-rounded."""
+        cos, sin = self.rope(positions)
+        return self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(main)), cos, sin))
+
+    def forward(self, x: torch.Tensor, batch: BlockBatch, ring: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope(batch.positions)
+        n, block = batch.slots.shape[0], batch.block
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(n, block, self.num_heads, self.head_dim)
+        q = apply_rope(q.flatten(0, 1), cos, sin).view(n, block, self.num_heads, self.head_dim)
+        own = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)).view(n, block, -1)
+        context, valid = batch.context(ring)
+        keys = torch.cat([context.to(own.dtype), own], dim=1).float()
+        valid = torch.cat([valid, valid.new_ones(n, block)], dim=1)
+        scores = torch.einsum("nbhd,nkd->nhbk", q.float(), keys) * self.head_dim**-0.5
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        sinks = self.sinks.float()[None, :, None, None].expand(n, -1, block, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("nhbk,nkd->nbhd", probs, keys).to(x.dtype).flatten(0, 1)
+        return attention_output(self, out, cos, sin)
+
+
+class DSparkLayer(nn.Module):
+    """A stage's V4.1 layer: single-pass mHC around DSpark attention and the draft MoE (no Engram)."""
+
+    def __init__(self, config: ModelConfig, stage: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.self_attn = DSparkAttention(config, tp)
+        self.mlp = MoE(config, stage, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, batch: BlockBatch, ring: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre)."""
+        attn_pre, post, comb, collapsed = self.attn_hc.site(streams, collapse_pre=pre)
+        out = self.self_attn(self.input_layernorm(collapsed), batch, ring)
+        streams = merge_streams(streams, post, comb, out)
+        ffn_pre, post, comb, collapsed = self.ffn_hc.site(streams, collapse_pre=attn_pre)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        return merge_streams(streams, post, comb, out), ffn_pre
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram logits: head(embed(previous token)), float32 (the release keeps its head so)."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank)
+        self.head = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """previous [N] -> (logit bias [N, V] float32, the previous tokens' embeddings [N, r])."""
+        embedded = self.embed(previous)
+        return F.linear(embedded.float(), self.head.weight.float()), embedded
+
+
+class ConfidenceHead(nn.Module):
+    """One logit per block position from [h_j, markov embedding of prev_j]: DeepSpec trains its sigmoid on
+    the position's expected acceptance (1 - total variation between the draft and target distributions)."""
+
+    def __init__(self, features: int, bias: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, 1, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([hidden, embedded.to(hidden.dtype)], dim=-1).float()
+        return F.linear(features, self.proj.weight.float(),
+                        None if self.proj.bias is None else self.proj.bias.float()).squeeze(-1)
+
+
+class DSparkStage(nn.Module):
+    """Stage `index`: its layer (`block`), and the first stage's tap projection or the last's heads."""
+
+    def __init__(self, config: DSparkConfig, index: int, tp: TensorParallel, confidence_bias: bool) -> None:
+        super().__init__()
+        c = config.layers
+        self.block = DSparkLayer(c, index, tp)
+        if index == 0:
+            self.main_proj = nn.Linear(len(config.tap_layers) * c.hidden_size, c.hidden_size, bias=False)
+            self.main_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if index == config.stages - 1:
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.markov_head = MarkovHead(c.vocab_size, config.markov_rank)
+            self.confidence_head = ConfidenceHead(c.hidden_size + config.markov_rank, confidence_bias)
+
+
+@dataclass(frozen=True)
+class DraftedBlocks:
+    tokens: torch.Tensor  # [N, block] int64: the greedy drafts
+    logits: torch.Tensor  # [N, block, V] float32: each position's logits with its Markov bias
+    confidence: torch.Tensor  # [N, block] float32 logits of the confidence head
+
+
+class DSparkDraft(nn.Module):
+    """The stages (`mtp.{i}`), with the target's embedding and head (kept, not registered: they are the
+    target's parameters). Sequences' context lives in rings the caller owns (`allocate_rings`)."""
+
+    def __init__(self, config: DSparkConfig, embed: nn.Module, head: nn.Module, tp: TensorParallel = SINGLE,
+                 confidence_bias: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.mtp = nn.ModuleList(DSparkStage(config, i, tp, confidence_bias) for i in range(config.stages))
+        self.shared = (embed, head)
+
+    @torch.inference_mode()
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      rings: torch.Tensor) -> None:
+        """Context rows: `taps` [R, taps, D] at `positions` of `slots` (one row per (slot, ring row): the
+        caller writes a slot's last `sliding_window` rows at most) -> every stage's ring."""
+        first = self.mtp[0]
+        main = first.main_norm(first.main_proj(taps.flatten(1)))
+        rows = positions % rings.shape[2]
+        for index, stage in enumerate(self.mtp):
+            rings[index, slots, rows] = stage.block.self_attn.context_keys(main, positions).to(rings.dtype)
+
+    @torch.inference_mode()
+    def draft(self, batch: BlockBatch, rings: torch.Tensor) -> DraftedBlocks:
+        """Every sequence's block through the stages, then the Markov-corrected greedy drafts left to
+        right and the confidence of each position."""
+        embed, head = self.shared
+        hc = self.config.layers.hc_mult
+        streams = embed(batch.token_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
+        pre = torch.zeros(streams.shape[0], hc, dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0
+        for index, stage in enumerate(self.mtp):
+            streams, pre = stage.block(streams, pre, batch, rings[index])
+        last = self.mtp[-1]
+        n, block = batch.slots.shape[0], batch.block
+        hidden = collapse(pre, streams)
+        base = head(last.norm(hidden)).float().view(n, block, -1)
+        previous = batch.token_ids.view(n, block)[:, 0]
+        tokens, logits, embedded = [], [], []
+        for j in range(block):
+            bias, previous_embedded = last.markov_head(previous)
+            logits.append(base[:, j] + bias)
+            embedded.append(previous_embedded)
+            previous = logits[-1].argmax(dim=-1)
+            tokens.append(previous)
+        confidence = last.confidence_head(hidden.view(n, block, -1), torch.stack(embedded, dim=1))
+        return DraftedBlocks(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), confidence)
+
+
+# -- loading -------------------------------------------------------------------------------------------
+_STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_OWN = ("main_proj.", "main_norm.", "norm.", "markov_head.", "confidence_head.", "block.")
+_EXPERT_PART = re.compile(r"^(mtp\.\d+\.block\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def draft_module_name(stored: str) -> str:
+    """A stored `mtp.{i}.*` name -> this module's: its own names as they are; the release's layer names
+    (`attn.wq_a`, `ffn.experts.3.w1`, `hc_attn_fn`, ...) renamed as a layer's are, under `block.`."""
+    index, rest = _STAGE.match(stored).groups()
+    if rest.startswith(_OWN):
+        return stored
+    renamed = module_name(f"layers.{index}.{rest}").removeprefix(f"model.layers.{index}.")
+    renamed = re.sub(r"\.gate\.bias_vl$", ".gate.e_score_correction_bias_vl", renamed)
+    return f"mtp.{index}.block.{renamed}"
+
+
+def draft_names(stored: set[str]) -> NameIndex:
+    """The loader's name index over a directory's `mtp.*` tensors (per-expert matrices to be stacked)."""
+    direct: dict[str, str] = {}
+    experts: dict[str, ExpertParts] = defaultdict(ExpertParts)
+    for name in sorted(n for n in stored if _STAGE.match(n)):
+        module = draft_module_name(name)
+        match = _EXPERT_PART.match(module)
+        if match:
+            experts[match.group(1)].by_expert[int(match.group(2))][match.group(3)] = name
+        else:
+            direct.setdefault(module, name)
+    return NameIndex(direct=direct, experts=dict(experts))
+
+
+def load_dspark(directory: str | Path, target: nn.Module, tp: TensorParallel = SINGLE) -> DSparkDraft:
+    """The draft of `directory` (config.json with the dspark keys, `mtp.*` tensors in its safetensors; other
+    tensors there, such as a whole target's, are not read) for `target`, on its device and in its dtype
+    (the Markov and confidence heads in float32, as the release keeps them). ConfigError for a directory
+    that is not a DSpark checkpoint of this target, CheckpointError for missing or surplus `mtp.*` tensors."""
+    directory = Path(directory)
+    config = DSparkConfig.from_file(directory / "config.json", target.config)
+    source = TensorSource(directory)
+    index = draft_names(source.names())
+    bias = any(name.endswith("confidence_head.proj.bias") for name in index.direct)
+    with torch.device("meta"):
+        draft = DSparkDraft(config, target.model.embed_tokens, target.lm_head, tp, confidence_bias=bias)
+    reader = WeightReader(source, fp8_block(directory / "config.json"))
+    dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
+    for name, tensor in list(draft.named_parameters()) + list(draft.named_buffers()):
+        value = _read_parameter(reader, index, name, tensor.shape, shard_of(draft, name))
+        wanted = torch.float32 if "markov_head." in name or "confidence_head." in name else dtype
+        _assign(draft, name, value.to(device=device, dtype=_target_dtype(name, wanted, value.dtype)))
+    surplus = sorted(name for name in source.names() - reader.consumed if _STAGE.match(name))
+    if surplus:
+        raise CheckpointError(f"{directory}: DSpark tensors the draft does not use: {', '.join(surplus[:5])}")
+    return draft.eval()
+
+
+def attach_dspark(model: nn.Module, directory: str | Path, tp: TensorParallel = SINGLE) -> DSparkDraft:
+    """Loads the draft of `directory` as `model.dspark` (a submodule: its weights count with the model's)."""
+    model.dspark = load_dspark(directory, model, tp)
+    return model.dspark
+
+
+# -- the tiny test draft -------------------------------------------------------------------------------
+def tiny_dspark_keys(target: ModelConfig, **overrides: Any) -> dict[str, Any]:
+    """The dspark keys of a tiny draft for `target` (the release's shape: 3 stages, a block of 5, the
+    last three layers tapped, fewer draft experts than the target's, top-3); overrides replace keys."""
+    keys = {
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": target.vocab_size - 1,
+        "dspark_target_layer_ids": list(range(max(0, target.num_layers - 3), target.num_layers)),
+        "dspark_markov_rank": 32,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 3,
+    }
+    keys.update(overrides)
+    return keys
+
+
+def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Writes a DSpark draft for the checkpoint in `target_dir` into `out`: its config.json with the dspark
+    keys (`tiny_dspark_keys`, `overrides` replacing them) and the stages' ratios appended, and seeded
+    random `mtp.*` weights (models/random_model.py's rule) in model.safetensors."""
+    from models.random_model import random_tensor
+
+    out, target_dir = Path(out), Path(target_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((target_dir / "config.json").read_text())
+    target = ModelConfig.from_dict(raw)
+    raw.update(tiny_dspark_keys(target, **overrides))
+    stages = raw["num_nextn_predict_layers"]
+    raw["compress_ratios"] = list(target.compress_rates) + [0] * stages
+    config = DSparkConfig.from_dict(raw, target)
+    with torch.device("meta"):
+        draft = DSparkDraft(config, nn.Identity(), nn.Identity())
+    generator = torch.Generator().manual_seed(seed)
+    weights = {name: random_tensor(name, tensor.shape, config.layers.n_routed_experts, generator).contiguous()
+               for name, tensor in list(draft.named_parameters()) + list(draft.named_buffers())}
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out

@@ -1,0 +1,110 @@
+"""The "dspark" draft proposer (issue 27): DSpark's draft layers (models/dspark.py) over the target's taps.
+
+After each step the runner hands over every computed chunk with the target's taps at its forwarded rows
+(`ComputedChunk.taps`: the mean stream entering each of the draft's tap layers, which the runner keeps
+because `tap_layers` names them). For every chunk the rows that stand (a prompt chunk's, a verify chunk's
+own token and accepted drafts) become context: main_proj of their taps, then each stage's context key
+at their position in that stage's ring (only a chunk's last `sliding_window` rows: the ring holds no
+more). Rejected rows are never written, so nothing rolls back. A sampling chunk then drafts: a block of
+[drawn token, noise ...] after its last kept row through the stages, all sequences of the step in one
+batch, and its first K Markov-corrected greedy drafts, cut before the first position the confidence
+head scores below `confidence_threshold` (DeepSpec's early stop; 0 keeps them all).
+
+Drafts are the argmax of each position's logits whatever the request's temperature: the runner verifies
+a draft by drawing at its position and comparing (rejection sampling against a one-hot draft), which
+keeps the target's distribution for any draft chosen before that draw, so greedy drafts only cost
+acceptance where sampled ones would have matched, and keep drafting deterministic.
+
+A slot's ring belongs to its request from the request's first computed chunk on: a chunk that does not
+continue the slot's last one (a new request, a prefix-cache hit that starts past position 0, a
+preempted request computed again) starts the slot's context at its own first position, so a block never
+reads another sequence's rows or positions no chunk of its own wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from models.dspark import BlockBatch, DSparkDraft, allocate_rings
+
+if TYPE_CHECKING:  # worker/proposers.py builds this proposer
+    from worker.proposers import ComputedChunk
+
+
+@dataclass
+class SlotContext:
+    """Whose context a slot's rings hold: the request, its first position there, the position after its
+    last."""
+
+    request_id: str
+    first: int
+    end: int
+
+
+class DSparkProposer:
+    """DSpark's stages as the draft model (`model.dspark`, models/dspark.py attach_dspark), with one ring of
+    context keys per stage and slot."""
+
+    needs_streams = False
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, k: int, confidence_threshold: float = 0.0) -> None:
+        draft = getattr(model, "dspark", None)
+        if not isinstance(draft, DSparkDraft):
+            raise ValueError("speculative method 'dspark' needs the draft layers (models/dspark.py attach_dspark)")
+        if not 1 <= k <= draft.config.block_size:
+            raise ValueError(f"{k} drafts a step: a DSpark block proposes 1 to {draft.config.block_size}")
+        self.draft, self.k, self.threshold = draft, k, confidence_threshold
+        self.tap_layers = draft.config.tap_layers
+        weight = model.lm_head.weight
+        self.rings = allocate_rings(draft.config, num_slots, weight.dtype, weight.device)
+        self._slots: list[SlotContext | None] = [None] * num_slots
+
+    def device_bytes(self) -> int:
+        return self.rings.numel() * self.rings.element_size()
+
+    def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
+        taps, positions, slots, blocks = [], [], [], []
+        window = self.rings.shape[2]
+        for item in computed:
+            if item.taps is None or item.kept == 0:  # nothing forwarded (a whole prompt cached)
+                continue
+            chunk = item.chunk
+            context = self._context(chunk.request_id, chunk.slot, chunk.position)
+            end = chunk.position + item.kept
+            start = max(chunk.position, end - window)
+            taps.append(item.taps[start - chunk.position: item.kept])
+            positions.extend(range(start, end))
+            slots.extend([chunk.slot] * (end - start))
+            context.end = end
+            if item.next_token is not None:
+                blocks.append((chunk.request_id, (chunk.slot, item.next_token, end - 1, context.first)))
+        if not taps:
+            return {}
+        device = self.rings.device
+        self.draft.write_context(torch.cat(taps), torch.tensor(positions, device=device),
+                                 torch.tensor(slots, device=device), self.rings)
+        if not blocks:
+            return {}
+        config = self.draft.config
+        batch = BlockBatch.build([rows for _, rows in blocks], config.block_size, config.noise_token_id, device)
+        drafted = self.draft.draft(batch, self.rings)
+        counts = self.confident_lengths(drafted.confidence[:, : self.k]).tolist()
+        tokens = drafted.tokens[:, : self.k].tolist()
+        return {request_id: tuple(tokens[n][: counts[n]]) for n, (request_id, _) in enumerate(blocks) if counts[n]}
+
+    def confident_lengths(self, confidence: torch.Tensor) -> torch.Tensor:
+        """DeepSpec's cut: per row of confidence logits [N, k], the positions before the first whose sigmoid
+        is below the threshold (all k with threshold 0)."""
+        below = torch.sigmoid(confidence) < self.threshold
+        whole = torch.full_like(below[:, 0], confidence.shape[1], dtype=torch.long)
+        return torch.where(below.any(dim=1), below.int().argmax(dim=1), whole)
+
+    def _context(self, request_id: str, slot: int, position: int) -> SlotContext:
+        """The slot's context record, started afresh at `position` unless the chunk continues it."""
+        context = self._slots[slot]
+        if context is None or context.request_id != request_id or context.end != position:
+            context = self._slots[slot] = SlotContext(request_id, position, position)
+        return context
