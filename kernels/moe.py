@@ -17,7 +17,10 @@ Weights are bf16 / float matrices [E, rows, cols], or MXFP4 as released (`MXFP4E
 two a byte and an E8M0 exponent per 32 inputs, `model.quantization: checkpoint`, kept in
 kernels/quant.py). With bf16 activations on the GPU they run on the tensor cores, each chosen expert
 read once for all its tokens (kernels/moe_mxfp4.py); the pairwise kernels decode them as they stream
-them for other dtypes, and the reference dequantizes expert by expert.
+them for other dtypes, and the reference dequantizes expert by expert. A bf16 model on an sm_90+ GPU
+holds them laid out for the CUDA decode kernel instead (`MXFP4MMAExperts`, kernels/moe_mxfp4_mma.py:
+decode steps there, prefill chunks through kernels/moe_mxfp4.py's sorted kernels, which read that
+layout too).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 
 from kernels.batch_invariant import batch_invariant_active
 from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, experts_by_expert, experts_sorted
+from kernels.mma_layout import MXFP4MMAExperts
+from kernels.moe_mxfp4_mma import experts_mma
 from kernels.moe_pairs import pair_table, plus_residual, sum_pairs
 from kernels.quant import MXFP4Experts
 
@@ -55,7 +60,7 @@ DOWN_BLOCKS = (32, 64)
 SWIGLU_BLOCK = 1024
 
 
-ExpertWeights = torch.Tensor | MXFP4Experts
+ExpertWeights = torch.Tensor | MXFP4Experts | MXFP4MMAExperts
 
 
 def _matrix(weights: ExpertWeights, local: int, dtype: torch.dtype) -> torch.Tensor:
@@ -200,8 +205,12 @@ def experts_on_device(
     otherwise. MXFP4 experts with bf16 activations: the tensor-core kernels of kernels/moe_mxfp4.py
     (scanning up to its MAX_SCAN_PAIRS, sorted beyond); other activation dtypes: pairwise up to
     MXFP4_PAIRWISE_MAX_PAIRS pairs and whenever a graph is being captured (the loop syncs), else the
-    reference loop, which dequantizes each chosen expert."""
-    if isinstance(gate_up, MXFP4Experts):
+    reference loop, which dequantizes each chosen expert. MXFP4 experts laid out for
+    kernels/moe_mxfp4_mma.py (bf16 models only): its CUDA kernel up to MAX_SCAN_PAIRS pairs, the
+    sorted Triton kernels beyond."""
+    if isinstance(gate_up, MXFP4MMAExperts):  # laid out only for bf16 models (models/moe.py)
+        run = experts_mma if experts.numel() <= MAX_SCAN_PAIRS else experts_sorted
+    elif isinstance(gate_up, MXFP4Experts):
         if x.dtype == torch.bfloat16 and triton is not None:
             run = experts_by_expert if experts.numel() <= MAX_SCAN_PAIRS else experts_sorted
         else:

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.mma_layout import CHUNK, MXFP4MMAExperts
 from kernels.moe_pairs import pair_table, sum_pairs
 from kernels.quant import MXFP4Experts
 from kernels.split_k import tile_counters
@@ -192,19 +193,21 @@ class _SortedTable:
 
 def _run(
     x: torch.Tensor, weight: torch.Tensor, expert_of: torch.Tensor, table: _ScanTable | _SortedTable,
-    gate_up: MXFP4Experts, down: MXFP4Experts, k: int, limit: float, weight_before_down: bool,
+    gate_up: MXFP4Experts | MXFP4MMAExperts, down: MXFP4Experts | MXFP4MMAExperts, k: int, limit: float, weight_before_down: bool,
     blocks: Blocks, upcast: str, splits: tuple[int, int], residual: torch.Tensor | None, last_sums: bool = True,
 ) -> torch.Tensor:
     """`weight`: pair_table's (0 for another rank's pair)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 tensor-core experts take bf16 activations, got {x.dtype}")
-    tokens = x.shape[0]
     pairs = expert_of.numel()
     _, double_inter, dim = gate_up.shape
     inter = double_inter // 2
     x = x.contiguous()
     tables = (expert_of, table.order, table.block_expert, table.block_start, table.block_end, weight)
-    shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting())
+    mma_layout = isinstance(gate_up, MXFP4MMAExperts)
+    if mma_layout and any(Tile(*blocks[g]).block_k != CHUNK for g in ("gate_up", "down")):
+        raise ValueError(f"experts in kernels/moe_mxfp4_mma.py's layout need K steps of {CHUNK}")
+    shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting(), MMA_LAYOUT=mma_layout)
     tile = Tile(*blocks["gate_up"])
     shares, share_steps = _shares(dim, tile.block_k, splits[0])
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
@@ -318,14 +321,44 @@ if triton is not None:
         return even.reshape(BLOCK_N, BLOCK_K // 2), odd.reshape(BLOCK_N, BLOCK_K // 2)
 
     @triton.jit
-    def _accumulate(acc, a, codes_ptr, scales_ptr, rows, in_rows, start, n_cols,
-                    UPCAST: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """acc + a [BLOCK_M, BLOCK_K] @ W[rows, start:start + BLOCK_K].T for MXFP4 rows of `n_cols`
-        columns (`rows` counted from the stacked experts' first row; columns past n_cols read as 0)."""
+    def _columns(BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+        """The K offsets, from a step's start, of the decoded tile's columns (`_code_bytes`' byte j gives
+        columns 2j and 2j + 1, its low and high nibble): in order, or for codes in
+        kernels/moe_mxfp4_mma.py's layout, byte j = 16 grp + 4 t + b (as `_code_bytes` reorders them)
+        holds codes LOW[t][b] and LOW[t][b] + 8 of 32-column group grp, where LOW[t][b] = 2 t + b % 2
+        + 16 (b // 2)."""
+        column = tl.arange(0, BLOCK_K)
+        if MMA_LAYOUT:
+            byte = column // 2
+            lane, b = (byte // 4) % 4, byte % 4
+            return (byte // 16) * 32 + 2 * lane + b % 2 + 16 * (b // 2) + 8 * (column % 2)
+        return column
+
+    @triton.jit
+    def _code_bytes(codes_ptr, rows, in_rows, start, n_cols, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+        """W[rows, start:start + BLOCK_K]'s code bytes [len(rows), BLOCK_K / 2], byte j holding two codes
+        of 32-column group j // 16 (so the scales broadcast over runs of 16 bytes) in the columns
+        `_columns` says. Released layout: columns 2j, 2j + 1. kernels/moe_mxfp4_mma.py's layout (BLOCK_K =
+        its CHUNK): row r's 64 bytes of a chunk lie at tile r // 8, row r % 8, lane t's 16 bytes holding
+        4 bytes of each group; read in group order (byte 16 grp + 4 t + b from 16 t + 4 grp + b)."""
         half = start // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = in_rows[:, None] & (half < n_cols // 2)[None, :]
+        if MMA_LAYOUT:
+            byte = tl.arange(0, BLOCK_K // 2)
+            stored = 16 * ((byte // 4) % 4) + 4 * (byte // 16) + byte % 4
+            tile = ((rows // 8).to(tl.int64) * (n_cols // BLOCK_K) + start // BLOCK_K) * (4 * BLOCK_K) + (rows % 8) * (BLOCK_K // 2)
+            return tl.load(codes_ptr + tile[:, None] + stored[None, :], mask=mask, other=0)
+        return tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :], mask=mask, other=0)
+
+    @triton.jit
+    def _accumulate(acc, a, codes_ptr, scales_ptr, rows, in_rows, start, n_cols,
+                    UPCAST: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MMA_LAYOUT: tl.constexpr):
+        """acc + a [BLOCK_M, BLOCK_K] @ W[rows, start:start + BLOCK_K].T for MXFP4 rows of `n_cols`
+        columns (`rows` counted from the stacked experts' first row; columns past n_cols read as 0), a's
+        columns in `_columns`' order."""
         group = start // 32 + tl.arange(0, BLOCK_K // 32)
-        codes = tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :],
-                        mask=in_rows[:, None] & (half < n_cols // 2)[None, :], other=0)
+        codes = _code_bytes(codes_ptr, rows, in_rows, start, n_cols, BLOCK_K, MMA_LAYOUT)
         scales = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + group[None, :],
                          mask=in_rows[:, None] & (group < n_cols // 32)[None, :], other=127)
         if UPCAST == "dot_scaled":
@@ -389,7 +422,7 @@ if triton is not None:
         x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
         codes_ptr, scales_ptr, out_ptr, hidden_ptr, counter_ptr, pairs, k, dim, inter, share_steps, limit,
         WEIGHT_BEFORE_DOWN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, F32_DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        MMA_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Program (block, row block, share): gate and up over K steps [share x share_steps, + share_steps). SPLIT:
         their float32 sums to out[share, pair, rows] and [..., inter + rows], and with LAST_SUMS the
@@ -411,13 +444,13 @@ if triton is not None:
         # no work: no K steps (a bound, not a branch, so the loop stays one the compiler pipelines)
         for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, dim), begin),
                            BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
+            cols = start + _columns(BLOCK_K, MMA_LAYOUT)
             a = tl.load(x_ptr + token[:, None] * dim + cols[None, :], mask=valid[:, None] & (cols < dim)[None, :],
                         other=0.0)
             gate = _accumulate(gate, a, codes_ptr, scales_ptr, base + rows, in_rows, start, dim,
-                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
+                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
             up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + rows, in_rows, start, dim,
-                             UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
+                             UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
         both = valid[:, None] & in_rows[None, :]
         if SPLIT:
             row = out_ptr + (tl.program_id(2).to(tl.int64) * pairs + pair.to(tl.int64))[:, None] * 2 * inter
@@ -454,7 +487,8 @@ if triton is not None:
     def _down_kernel(
         hidden_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
         codes_ptr, scales_ptr, out_ptr, pairs, dim, inter, share_steps, SORTED: tl.constexpr, UPCAST: tl.constexpr,
-        F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        F32_DOT: tl.constexpr, MMA_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """Program (block, row block, share): the down product over K steps [share x share_steps, + share_steps)
         to out[share, pair, rows], unweighted (kernels/moe_pairs.py's sum applies the routing weights)."""
@@ -468,11 +502,11 @@ if triton is not None:
         begin = tl.program_id(2) * share_steps * BLOCK_K
         for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, inter), begin),
                            BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
+            cols = start + _columns(BLOCK_K, MMA_LAYOUT)
             a = tl.load(hidden_ptr + row_of[:, None] * inter + cols[None, :],
                         mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
             acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,
-                              UPCAST, F32_DOT, BLOCK_N, BLOCK_K)
+                              UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
         row_of += tl.program_id(2).to(tl.int64) * pairs
         tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])
 

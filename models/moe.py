@@ -28,6 +28,8 @@ from kernels.moe import (
     experts_reference,
     grouped_mm_supported,
 )
+from kernels.mma_layout import MXFP4MMAExperts, mma_layout
+from kernels.moe_mxfp4_mma import supported
 from kernels.router import SCORE_FUNCTIONS, route
 from models.config import HASH_MOE, ModelConfig
 from models.parallel import SINGLE, TensorParallel, mark_shards
@@ -60,6 +62,17 @@ class Router(nn.Module):
                      self.score_name, bias, self.tid2eid if self.hashed else None)
 
 
+LEAVES = ("gate_up_proj", "down_proj")
+
+
+def lay_out_experts_for_mma(model: nn.Module) -> int:
+    """`Experts.lay_out_for_mma` on every routed-experts module of `model` (drafts included); how many
+    are laid out. The runner calls it for a bf16 model on the GPU: the CUDA decode kernel reads its
+    weights ~1.3x faster than the Triton kernels (BENCHMARKS.md, seventeenth session), and the sorted
+    prefill kernels read the same layout."""
+    return sum(module.lay_out_for_mma() for module in model.modules() if isinstance(module, Experts))
+
+
 class Experts(nn.Module):
     """Routed experts stored as [E, 2I, D] (gate rows then up rows) and [E, D, I]; this rank's run of
     them (experts [first, first + held)) under tensor parallelism."""
@@ -74,6 +87,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         mark_shards(self, gate_up_proj=shard, down_proj=shard)
+        self.mma_layout = False  # packed codes laid out for kernels/moe_mxfp4_mma.py (`lay_out_for_mma`)
 
     def keep_packed(self, leaf: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Holds `leaf` (gate_up_proj / down_proj) as released MXFP4 (codes [E, rows, cols / 2], E8M0
@@ -85,7 +99,24 @@ class Experts(nn.Module):
     def weights(self, leaf: str) -> ExpertWeights:
         if leaf in self._parameters:
             return self._parameters[leaf]
-        return MXFP4Experts(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
+        kind = MXFP4MMAExperts if self.mma_layout else MXFP4Experts
+        return kind(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
+
+    def lay_out_for_mma(self) -> bool:
+        """Re-lays the packed MXFP4 codes, in their own storage, for the CUDA decode kernel
+        (kernels/moe_mxfp4_mma.py) where it runs for both projections; whether they are now so laid out.
+        Idempotent; dense weights stay as they are."""
+        if self.mma_layout:
+            return True
+        if any(f"{leaf}_codes" not in self._buffers for leaf in LEAVES):
+            return False
+        shapes = [self.weights(leaf).shape for leaf in LEAVES]
+        if not all(supported(self._buffers["gate_up_proj_codes"].device, rows, cols) for _, rows, cols in shapes):
+            return False
+        for leaf in LEAVES:
+            self._buffers[f"{leaf}_codes"] = mma_layout(self._buffers[f"{leaf}_codes"], in_place=True)
+        self.mma_layout = True
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -172,12 +172,15 @@ def test_tensor_parallel_on_nccl_equals_one_gpu(tmp_path, world):
             assert torch.equal(ranks[0][name][k].argmax(-1), expected.argmax(-1)), name
 
 
-def tiny_v4_bf16(seed: int = 0):
+def tiny_v4_bf16(seed: int = 0, wide: bool = False):
+    """The tiny V4 in bf16 on the GPU; `wide`: hidden 256 and experts of 128, widths the CUDA MXFP4
+    decode kernel takes (kernels/moe_mxfp4_mma.py: rows in 256s, columns in 128s)."""
     from models import ModelConfig
     from models.random_model import build_random_model
     from models.tiny import tiny_config_dict
 
-    return build_random_model(ModelConfig.from_dict(tiny_config_dict()), torch.bfloat16, "cuda", seed)
+    widths = {"hidden_size": 256, "moe_intermediate_size": 128} if wide else {}
+    return build_random_model(ModelConfig.from_dict({**tiny_config_dict(), **widths}), torch.bfloat16, "cuda", seed)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
@@ -221,17 +224,18 @@ def graph_test_models(kind: str, checkpoints) -> tuple:
     if kind in ("v4", "v4_fp8"):
         model = tiny_v4_bf16()
         return model, copy.deepcopy(model).float()
-    if kind == "v4_released":  # MXFP4 experts and FP8 linears kept packed; the reference holds their values
-        from models.random_model import quantize_as_released
+    if kind in ("v4_released", "v4_released_mma"):  # MXFP4 experts and FP8 linears kept packed; the
+        from models.random_model import quantize_as_released  # reference holds their values
 
-        model = tiny_v4_bf16()
+        wide = kind == "v4_released_mma"  # experts the runner lays out for the CUDA decode kernel
+        model = tiny_v4_bf16(wide=wide)
         quantize_as_released(model)
-        return model, dequantized_float32(model, tiny_v4_bf16())
+        return model, dequantized_float32(model, tiny_v4_bf16(wide=wide))
     load = lambda dtype: load_model(checkpoints["v41"], dtype=dtype, device="cuda", simulate_quantization=False)
     return load(torch.bfloat16), load(torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_fp8"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_released_mma", "v4_fp8"])
 def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, kind):
     """Each replay is bitwise an eager run of the same decode batch on the same state (cache and
     Engram rows included). Against a float32 model fed the same tokens, the graph path (Triton
@@ -247,6 +251,10 @@ def test_decode_graph_replay_equals_eager_and_follows_the_forward(checkpoints, k
     eager = ModelRunner(model, 4, 256, device="cuda", cuda_graphs=False, kv_cache_dtype=kv)
     exact = ModelRunner(reference_model, 4, 256, device="cuda")
     assert graphed.graphs is not None and eager.graphs is None
+    from models.moe import Experts
+
+    laid_out = [m.mma_layout for m in model.modules() if isinstance(m, Experts)]
+    assert all(laid_out) == (kind == "v4_released_mma") and laid_out
     positions = [5, 23, 40]
     for runner in (graphed, eager, exact):
         for slot, n in enumerate(positions):
@@ -304,7 +312,7 @@ def test_a_mixed_step_replays_its_decodes_and_equals_them_run_apart(checkpoints,
     assert runners[0].graphs.replays == runners[1].graphs.replays == 3
 
 
-@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_fp8"])
+@pytest.mark.parametrize("kind", ["v4", "v41", "v4_released", "v4_released_mma", "v4_fp8"])
 def test_graph_decode_makes_no_allocation(checkpoints, kind):
     """A served decode run on graphs: after warm-up no new device memory (num_device_alloc, reserved
     bytes), and a replay alone asks the caching allocator for nothing (V4.1: its Engram rows are
@@ -592,6 +600,8 @@ def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
                                          upcasts=("ptx",), splits=(None, (2, 2)))
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS,
                                      upcasts=("ptx",))
+    check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=256, inter=128, blocks=PREFILL_BLOCKS,
+                                     upcasts=("ptx",), splits=(None, (2, 2)), mma_layout=True)
 
 
 def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():
@@ -614,6 +624,59 @@ def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():
     x.copy_(torch.randn(4, 128, device="cuda", generator=generator))
     graph.replay()
     assert torch.equal(captured, experts_by_expert(*args()))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40, 340])
+def test_mxfp4_mma_experts_compiled_equal_the_reference(tokens):
+    """kernels/moe_mxfp4_mma.py (CUDA C++ through CuPy's NVRTC): this rank holds experts [2, 6) of 8,
+    ~15 pairs an expert at 40 tokens (a block of 16 and a second block), 1,020 pairs at 340 (up to
+    MAX_SCAN_PAIRS), K whole or in shares, routing weights before or after down; the tolerance is the
+    reference's bf16 rounding of gate / up. (Past MAX_SCAN_PAIRS the sorted Triton kernels take this
+    layout: tests/test_triton_kernels.py.)"""
+    pytest.importorskip("cupy")
+    from kernels.moe import experts_reference
+    from kernels.mma_layout import from_released
+    from kernels.moe_mxfp4_mma import experts_mma
+    from kernels.quant import MXFP4Experts, quantize_mxfp4
+
+    generator = torch.Generator("cuda").manual_seed(tokens)
+    for dim, inter in ((256, 128), (4096, 2048)):
+        gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(4, 2 * inter, dim, generator=generator, device="cuda") / dim**0.5))
+        down = MXFP4Experts(*quantize_mxfp4(torch.randn(4, dim, inter, generator=generator, device="cuda") / inter**0.5))
+        tiled = from_released(gate_up.codes, gate_up.scales), from_released(down.codes, down.scales)
+        x = torch.randn(tokens, dim, generator=generator, device="cuda").bfloat16()
+        experts = torch.randint(0, 8, (tokens, 3), generator=generator, device="cuda")
+        weights = torch.rand(tokens, 3, generator=generator, device="cuda")
+        for before_down in (False, True):
+            want = experts_reference(x, weights, experts, gate_up, down, 2, 1.5, before_down)
+            for shares in (None, (1, 1), (3, 2)):
+                got = experts_mma(x, weights, experts, *tiled, 2, 1.5, before_down, shares=shares)
+                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_mxfp4_mma_experts_replay_in_a_cuda_graph():
+    """The CuPy-launched kernel runs on torch's stream and never syncs: a captured call replays to the
+    eager result on new routing and activations."""
+    pytest.importorskip("cupy")
+    from kernels.mma_layout import from_released
+    from kernels.moe_mxfp4_mma import experts_mma
+    from kernels.quant import quantize_mxfp4
+
+    generator = torch.Generator("cuda").manual_seed(5)
+    gate_up = from_released(*quantize_mxfp4(torch.randn(8, 256, 256, device="cuda", generator=generator) / 16))
+    down = from_released(*quantize_mxfp4(torch.randn(8, 256, 128, device="cuda", generator=generator) / 11))
+    x = torch.randn(4, 256, device="cuda", generator=generator).bfloat16()
+    experts = torch.randint(0, 8, (4, 6), device="cuda", generator=generator)
+    weights = torch.rand(4, 6, device="cuda", generator=generator)
+    run = lambda: experts_mma(x, weights, experts, gate_up, down, 0, 7.0, False)  # noqa: E731
+    run()  # compiled and loaded before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    experts.copy_(torch.randint(0, 8, (4, 6), device="cuda", generator=generator))
+    x.copy_(torch.randn(4, 256, device="cuda", generator=generator))
+    graph.replay()
+    assert torch.equal(captured, run())
 
 
 def test_mxfp4_gate_up_last_share_sums_are_the_sum_kernels_bits():

@@ -29,3 +29,23 @@ def test_fp8_blocks_scale_each_block_independently():
     assert scale.shape == (2, 3)
     restored = dequantize_fp8_blocks(values, scale)
     assert ((restored - weight).abs() <= weight.abs() * 0.07 + scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300] * 2**-6).all()
+
+
+def test_mma_layout_gives_each_lane_its_tensor_core_operand_nibbles():
+    """kernels/mma_layout.py's load-time layout: a permutation (its inverse gives the released
+    codes back), and lane (g, t)'s byte b of group grp holds the group's codes LOW[t][b] (low nibble)
+    and LOW[t][b] + 8 (high) of row g: k = 2t, 2t + 1 | 2t + 8, 2t + 9 of each 16-column k-block,
+    the B operand of mma.m16n8k16."""
+    from kernels.mma_layout import LOW, mma_layout, released_layout
+
+    codes = torch.randint(0, 256, (3, 16, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    tiled = mma_layout(codes)
+    assert tiled.shape == (3, 2, 4, 8, 64)
+    assert torch.equal(released_layout(tiled), codes)
+    nibbles = torch.stack((codes & 15, codes >> 4), -1).reshape(3, 16, 512)
+    for expert, tile, chunk, g, t, group, b in ((0, 0, 0, 0, 0, 0, 0), (1, 1, 3, 7, 3, 3, 3), (2, 0, 2, 5, 1, 2, 2)):
+        byte = int(tiled[expert, tile, chunk, g, t * 16 + group * 4 + b])
+        column = chunk * 128 + group * 32 + int(LOW[t][b])
+        assert int(LOW[t][b]) in (2 * t, 2 * t + 1, 16 + 2 * t, 17 + 2 * t)
+        assert byte & 15 == int(nibbles[expert, tile * 8 + g, column])
+        assert byte >> 4 == int(nibbles[expert, tile * 8 + g, column + 8])

@@ -352,12 +352,14 @@ def test_pairwise_experts_kernels_decode_mxfp4_weights():
 def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVICE, dim: int = 64, inter: int = 96,
                                      blocks: dict | None = None, routed: tuple[int, int] = (0, 8),
                                      upcasts: tuple[str, ...] = ("dot_scaled", "bits"),
-                                     splits: tuple[tuple[int, int] | None, ...] = (None,)) -> None:
+                                     splits: tuple[tuple[int, int] | None, ...] = (None,), mma_layout: bool = False,
+                                     ) -> None:
     """kernels/moe_mxfp4.py's decode (scanning) and prefill (sorted) kernels, with each of `upcasts`
     (the GPU test adds "ptx", which the interpreter cannot run), against the reference on MXFP4 weights; this rank holds experts [2, 6) of 8 and the
     tokens choose among experts [routed[0], routed[1]). The tolerance is the reference's bf16 rounding
     of gate / up, which the kernels keep in float32. `splits`: the decode kernels' (gate_up, down) K
-    shares to try (None: their table's)."""
+    shares to try (None: their table's). `mma_layout`: the kernels read the weights as
+    kernels/moe_mxfp4_mma.py lays them out (K steps of its CHUNK)."""
     from kernels.moe import MXFP4Experts, experts_reference
     from kernels.moe_mxfp4 import experts_by_expert, experts_sorted
     from kernels.quant import quantize_mxfp4
@@ -370,8 +372,14 @@ def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVIC
     down = MXFP4Experts(*quantize_mxfp4(torch.randn(4, dim, inter, generator=generator, device=device) / inter**0.5))
     small = blocks or {"gate_up": (16, 32, 32, 4), "down": (16, 32, 32, 4)}
     for before_down in (False, True):
-        args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
-        want = experts_reference(*args)
+        want = experts_reference(x, weights, experts, gate_up, down, 2, 1.5, before_down)
+        if mma_layout:
+            from kernels.mma_layout import from_released
+
+            args = (x, weights, experts, from_released(gate_up.codes, gate_up.scales),
+                    from_released(down.codes, down.scales), 2, 1.5, before_down)
+        else:
+            args = (x, weights, experts, gate_up, down, 2, 1.5, before_down)
         for upcast in upcasts:
             runs = [lambda: experts_sorted(*args, blocks=small, upcast=upcast)]
             runs += [lambda shares=shares: experts_by_expert(*args, blocks=small, upcast=upcast, splits=shares)
@@ -384,6 +392,16 @@ def test_mxfp4_tensor_core_experts_equal_the_reference():
     """Row and column counts that are not multiples of the blocks; ~18 pairs an expert, more than a
     block of 16 holds (the scanning kernel's second block of an expert); expert 1 is another rank's."""
     check_experts_mxfp4_tensor_cores(tokens=24, seed=3, routed=(1, 5))
+
+
+def test_mxfp4_tensor_core_experts_read_the_mma_layout():
+    """The same kernels on weights laid out for kernels/moe_mxfp4_mma.py (a bf16 model on an sm_90 GPU
+    holds them so; prefill chunks then run the sorted kernel on them): the activations' columns follow
+    the codes' permutation, so the products are the reference's; ~18 pairs an expert, expert 1
+    another rank's, K in 2 steps of 128."""
+    blocks = {"gate_up": (16, 32, 128, 4), "down": (16, 32, 128, 4)}
+    check_experts_mxfp4_tensor_cores(tokens=24, seed=4, dim=256, inter=128, routed=(1, 5), blocks=blocks,
+                                     mma_layout=True)
 
 
 def test_mxfp4_scanning_experts_split_k_into_shares(monkeypatch):

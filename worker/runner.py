@@ -68,6 +68,7 @@ from models import SINGLE, DeepseekV4, ForwardBatch, ModelCache, TensorParallel
 from models.expert_offload import offload_totals
 from models.host_tier import HostTierSpec
 from models.model_v41 import DeepseekV41
+from models.moe import lay_out_experts_for_mma
 from models.transfer import on_device
 from worker.cuda_graphs import DecodeGraphs, DecodeRow
 from worker.prefix_tiers import DiskTier, HostTier, Tickets
@@ -184,6 +185,8 @@ class ModelRunner:
         self.pending_inputs = model.config.engram is None and proposer is None
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
+        if dtype == torch.bfloat16 and str(device).startswith("cuda") and not deterministic:
+            lay_out_experts_for_mma(model)  # MXFP4 experts as the CUDA decode kernel reads them
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
                   and not deterministic and tp.world_size == 1 and not self._keeps_taps)
         scratch = 1 if graphs else 0

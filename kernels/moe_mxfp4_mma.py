@@ -1,0 +1,317 @@
+"""MXFP4 routed experts for decode in CUDA C++: weights laid out at load (kernels/mma_layout.py) so that
+each lane's 16-byte load is its tensor-core operand, decoded in registers and multiplied by
+`mma.sync`, with no trip through shared memory.
+
+Why not Triton (kernels/moe_mxfp4.py): at decode an expert sees one or two tokens, so the kernels are
+a stream of weights through a decode. ncu on the H200 (BENCHMARKS.md, seventeenth session) shows the
+Triton decode kernels issue-bound at 255 registers a thread (2 programs of 4 warps an SM): Triton
+decodes a weight tile in a blocked layout and converts it into the MMA operand layout, which costs
+more instructions than the decode itself, and capping the registers spills. Here that conversion is
+done once, at load, and the decode is kernels/moe_mxfp4.py's PTX (exact: the reference's bf16 bits),
+whose output registers are the operand registers as they stand.
+
+One CTA of 4 warps owns one block of up to 16 pairs routed to one expert (found by scanning the step's
+expert ids, as the Triton decode kernels do: no sort, no host sync, capturable) x 32 x `tiles` output
+rows x one K share; each lane keeps the next 128-column chunk's weights, scales and activation
+operands in flight in registers while it decodes and multiplies the current one. (Staging the weights
+through shared memory by cp.async instead measured slower at every batch: BENCHMARKS.md.) It writes
+float32 partial sums [shares, pairs, rows], which kernels/moe_mxfp4.py's `_swiglu_shares_kernel`
+(gate_up) and kernels/moe_pairs.py's `sum_pairs` (down) finish. Prefill (more than MAX_SCAN_PAIRS
+pairs) runs kernels/moe_mxfp4.py's sorted kernels, which read this layout too.
+
+Compiled at first use by NVRTC through CuPy (the `gpu` extra). Needs sm_90 (`mul.rn.bf16x2`) and
+rows and columns in multiples of the CTA's rows and of 128 (`supported`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+
+from kernels.mma_layout import CHUNK, TILE_ROWS, MXFP4MMAExperts
+from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, REDUCE_BLOCK, _swiglu_shares_kernel
+from kernels.moe_pairs import pair_table, sum_pairs
+
+@dataclass(frozen=True)
+class Build:
+    """The kernel's compile-time shape: `tiles` mma tiles of 8 rows a warp (a CTA of 4 warps owns
+    32 x tiles rows) and `min_blocks` CTAs an SM its register allocation must allow. The default is
+    the fastest of the seventeenth session's sweep (BENCHMARKS.md)."""
+
+    tiles: int = 8
+    min_blocks: int = 2
+
+    @property
+    def block_rows(self) -> int:
+        return 4 * TILE_ROWS * self.tiles
+
+
+BUILD = Build()
+
+
+def supported(device: torch.device, rows: int, cols: int) -> bool:
+    """Whether the kernel runs here: a CUDA device of compute capability 9.0 or later, CuPy importable,
+    `rows` a multiple of the CTA's rows and `cols` of CHUNK."""
+    if device.type != "cuda" or rows % BUILD.block_rows or cols % CHUNK:
+        return False
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return _cupy_importable()
+
+
+@cache
+def _cupy_importable() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def experts_mma(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4MMAExperts, down: MXFP4MMAExperts,
+    first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None, *,
+    shares: tuple[int, int] | None = None, build: Build = BUILD,
+) -> torch.Tensor:
+    """`experts_reference`'s contract (kernels/moe.py) for bf16 x [T, dim] on CUDA, at most
+    MAX_SCAN_PAIRS (token, expert) pairs. `shares`: K shares of (gate_up, down); None: enough CTAs to
+    keep ~4 an SM busy."""
+    tokens, k = experts.shape
+    pairs = tokens * k
+    if pairs > MAX_SCAN_PAIRS:
+        raise ValueError(f"{pairs} (token, expert) pairs: the decode kernel takes at most {MAX_SCAN_PAIRS}")
+    held, double_inter, dim = gate_up.shape
+    inter = double_inter // 2
+    if double_inter % build.block_rows or dim % build.block_rows or inter % CHUNK:
+        raise ValueError(f"experts of {dim} x {inter}: the mma kernel takes rows in multiples of "
+                         f"{build.block_rows} and columns in multiples of {CHUNK}")
+    expert_of, weight = pair_table(experts, weights, first, held)
+    wanted = shares or (_fill(pairs, held, double_inter, dim, build), _fill(pairs, held, dim, inter, build))
+    partial = _gemm(x.contiguous(), expert_of, gate_up, k, wanted[0], build)
+    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    _swiglu_shares_kernel[(pairs, -(-inter // REDUCE_BLOCK))](
+        partial, expert_of, weight, hidden, pairs, inter, partial.shape[0], limit, weight_before_down,
+        BLOCK=REDUCE_BLOCK, num_warps=4,
+    )
+    out = _gemm(hidden, expert_of, down, 1, wanted[1], build)
+    return sum_pairs(out, expert_of, weight, k, weight_before_down, residual)
+
+
+def _fill(pairs: int, held: int, rows: int, cols: int, build: Build) -> int:
+    """K shares so that the CTAs that work (one per expert with a pair, per block of rows) are ~4 an SM."""
+    working = min(pairs, held) * (rows // build.block_rows)
+    return max(1, min(cols // CHUNK // 2, -(-4 * _multiprocessors() // working)))
+
+
+@cache
+def _multiprocessors() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: int, shares: int,
+          build: Build) -> torch.Tensor:
+    """float32 [shares, pairs, rows]: pair p's row of act[p // div] times its expert's matrix, K in shares
+    (rows of other ranks' pairs are left unwritten)."""
+    import cupy
+
+    if act.dtype != torch.bfloat16:
+        raise ValueError(f"the MXFP4 mma experts take bf16 activations, got {act.dtype}")
+    _, rows, cols = w.shape
+    if rows % build.block_rows:
+        raise ValueError(f"{rows} rows: the mma experts take multiples of {build.block_rows}")
+    pairs = expert_of.numel()
+    chunks = cols // CHUNK
+    per = -(-chunks // max(1, min(shares, chunks)))
+    shares = -(-chunks // per)
+    out = torch.empty(shares, pairs, rows, dtype=torch.float32, device=act.device)
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        _function(build)(
+            (pairs, rows // build.block_rows, shares), (128,),
+            (np.uint64(act.data_ptr()), np.uint64(expert_of.data_ptr()), np.uint64(w.codes.data_ptr()),
+             np.uint64(w.scales.data_ptr()), np.uint64(out.data_ptr()), np.int32(pairs), np.int32(div),
+             np.int32(rows), np.int32(cols), np.int32(per)),
+        )
+    return out
+
+
+@cache
+def _function(build: Build):
+    """The kernel compiled for `build` (NVRTC, once a process)."""
+    import cupy
+
+    options = ("-std=c++17", f"-DTILES={build.tiles}", f"-DMIN_BLOCKS={build.min_blocks}")
+    return cupy.RawModule(code=_SOURCE, options=options).get_function("mxfp4_mma_gemm")
+
+
+_SOURCE = r"""
+// 8 codes (one 32-bit word in mma_layout) -> the B operands of two k-blocks: kernels/moe_mxfp4.py's
+// exact PTX decode (value x 2^-126 placed in bf16 bits, x 2^126, x the E8M0 scale), scale in both halves.
+__device__ __forceinline__ void decode8(unsigned word, unsigned scale, unsigned& r0, unsigned& r1,
+                                        unsigned& r2, unsigned& r3) {
+    asm("{\n"
+        ".reg .b32 t0, t1, a, b, u, bias;\n"
+        "mov.b32 bias, 0x7E807E80;\n"
+        "prmt.b32 t0, %4, 0, 0x4140;\n"
+        "prmt.b32 t1, %4, 0, 0x4342;\n"
+        "shl.b32 a, t0, 6;\n"
+        "shl.b32 b, t0, 12;\n"
+        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
+        "mul.rn.bf16x2 u, u, bias;\n"
+        "mul.rn.bf16x2 %0, u, %5;\n"
+        "shl.b32 a, t1, 6;\n"
+        "shl.b32 b, t1, 12;\n"
+        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
+        "mul.rn.bf16x2 u, u, bias;\n"
+        "mul.rn.bf16x2 %1, u, %5;\n"
+        "and.b32 t0, t0, 0x00F000F0;\n"
+        "mul.lo.u32 t0, t0, 0x104;\n"
+        "and.b32 u, t0, 0x81C081C0;\n"
+        "mul.rn.bf16x2 u, u, bias;\n"
+        "mul.rn.bf16x2 %2, u, %5;\n"
+        "and.b32 t1, t1, 0x00F000F0;\n"
+        "mul.lo.u32 t1, t1, 0x104;\n"
+        "and.b32 u, t1, 0x81C081C0;\n"
+        "mul.rn.bf16x2 u, u, bias;\n"
+        "mul.rn.bf16x2 %3, u, %5;\n"
+        "}\n"
+        : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(word), "r"(scale));
+}
+
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// E8M0 e -> bf16 bits of 2^(e - 127) in both halves (e = 0: the subnormal 2^-127).
+__device__ __forceinline__ unsigned scale_pair(unsigned e) {
+    unsigned bits = max(e << 7, 0x40u);
+    return bits | (bits << 16);
+}
+
+#ifndef TILES
+#define TILES 8  // mma tiles (8 rows each) a warp: a CTA owns 4 x 8 x TILES rows
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2
+#endif
+
+__device__ __forceinline__ void load_a(unsigned (&a)[8][4], const unsigned* row0, const unsigned* row1, int c, int t) {
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+        const int o = c * 64 + kb * 8 + t;
+        a[kb][0] = row0 ? __ldg(row0 + o) : 0u;
+        a[kb][1] = row1 ? __ldg(row1 + o) : 0u;
+        a[kb][2] = row0 ? __ldg(row0 + o + 4) : 0u;
+        a[kb][3] = row1 ? __ldg(row1 + o + 4) : 0u;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
+mxfp4_mma_gemm(const unsigned* __restrict__ act, const int* __restrict__ expert_of, const uint4* __restrict__ codes,
+               const unsigned* __restrict__ scales, float* __restrict__ out, int pairs, int div, int rows, int cols,
+               int share_chunks) {
+    __shared__ int group[16];
+    __shared__ int warp_count[4];
+    const int p = blockIdx.x;
+    const int expert = expert_of[p];
+    if (expert < 0) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // work only if p is the (16 j)-th pair routed to its expert, counted in pair order
+    int before = 0;
+    for (int q = tid; q < p; q += 128) before += expert_of[q] == expert;
+    for (int o = 16; o; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
+    if (lane == 0) warp_count[warp] = before;
+    __syncthreads();
+    const int rank = warp_count[0] + warp_count[1] + warp_count[2] + warp_count[3];
+    if (rank & 15) return;
+    __syncthreads();
+    int found = 0;  // this expert's pairs from p on, in order, the first 16
+    for (int start = p; start < pairs && found < 16; start += 128) {
+        const int q = start + tid;
+        const bool hit = q < pairs && expert_of[q] == expert;
+        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        int slot = found + __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) slot += warp_count[w];
+        if (hit && slot < 16) group[slot] = q;
+        found += warp_count[0] + warp_count[1] + warp_count[2] + warp_count[3];
+        __syncthreads();
+    }
+    const int m = min(found, 16);
+    const int g = lane >> 2, t = lane & 3;
+    const int words_per_row = cols >> 1;  // bf16 pairs
+    const unsigned* row0 = g < m ? act + (size_t)(group[g] / div) * words_per_row : nullptr;
+    const unsigned* row1 = g + 8 < m ? act + (size_t)(group[g + 8] / div) * words_per_row : nullptr;
+    const int chunks = cols >> 7;
+    const int begin = blockIdx.z * share_chunks;
+    const int end = min(begin + share_chunks, chunks);
+    const int first_row = (blockIdx.y * 4 + warp) * 8 * TILES;
+    const uint4* tile[TILES];
+    const unsigned* scale_row[TILES];
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+        const size_t tile_index = (size_t)expert * (rows >> 3) + (first_row >> 3) + j;
+        tile[j] = codes + tile_index * chunks * 32 + g * 4 + t;
+        scale_row[j] = scales + ((size_t)expert * rows + first_row + 8 * j + g) * chunks;
+    }
+    float acc[TILES][4] = {};
+    uint4 w_next[TILES];
+    unsigned s_next[TILES];
+    unsigned a[8][4];
+    unsigned a_next[8][4];
+    if (begin < end) {
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+            w_next[j] = __ldg(tile[j] + (size_t)begin * 32);
+            s_next[j] = __ldg(scale_row[j] + begin);
+        }
+        load_a(a_next, row0, row1, begin, t);
+    }
+    for (int c = begin; c < end; ++c) {
+        uint4 w[TILES];
+        unsigned s[TILES];
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+            w[j] = w_next[j];
+            s[j] = s_next[j];
+        }
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[kb][i] = a_next[kb][i];
+        if (c + 1 < end) {
+#pragma unroll
+            for (int j = 0; j < TILES; ++j) {
+                w_next[j] = __ldg(tile[j] + (size_t)(c + 1) * 32);
+                s_next[j] = __ldg(scale_row[j] + c + 1);
+            }
+            load_a(a_next, row0, row1, c + 1, t);
+        }
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+            const unsigned words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+            for (int grp = 0; grp < 4; ++grp) {
+                unsigned r0, r1, r2, r3;
+                decode8(words[grp], scale_pair((s[j] >> (8 * grp)) & 0xFFu), r0, r1, r2, r3);
+                mma(acc[j], a[2 * grp], r0, r2);
+                mma(acc[j], a[2 * grp + 1], r1, r3);
+            }
+        }
+    }
+    float* base = out + (size_t)blockIdx.z * pairs * rows;
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+        const int n = first_row + 8 * j + 2 * t;
+        if (g < m) *reinterpret_cast<float2*>(base + (size_t)group[g] * rows + n) = make_float2(acc[j][0], acc[j][1]);
+        if (g + 8 < m)
+            *reinterpret_cast<float2*>(base + (size_t)group[g + 8] * rows + n) = make_float2(acc[j][2], acc[j][3]);
+    }
+}
+"""
