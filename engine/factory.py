@@ -368,7 +368,7 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
                  placement.gpu_per_layer, placement.experts_per_layer, placement.staging_slots, offload.layers)
     speculative = config.runtime.speculative_config
     if speculative is not None and speculative.method == "dspark":  # after the offload: its experts stay resident
-        attach_dspark(model, Path(speculative.model), tp)
+        attach_dspark(model, Path(speculative.model), tp, keep_quantized=held_as_stored)
     return model
 
 

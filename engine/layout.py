@@ -17,6 +17,7 @@ from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.memory_plan import RecordLayout, prefix_tier_limits, record_layout
 from models import ModelCache, ModelConfig
 from models.cache import stored_kv_cache_dtype
+from models.dspark import DSparkConfig, ring_bytes
 from models.host_tier import HostTierSpec
 from worker.proposers import mtp_proposer_bytes
 
@@ -103,9 +104,13 @@ def meta_cache(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dt
                                draft_tokens=config.runtime.draft_tokens)
 
 
-def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> int:
+def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int,
+                      dspark: DSparkConfig | None = None) -> int:
     """Device bytes the draft proposer holds beside the engine's cache (the MTP layer's own cache and
-    waiting rows; nothing for ngram or without --speculative-config): part of the slots' fixed state."""
+    waiting rows; `dspark`, the draft's config: its stages' context rings; nothing for ngram or without
+    --speculative-config): part of the slots' fixed state."""
+    if dspark is not None:
+        return ring_bytes(dspark, config.scheduler.max_num_seqs, dtype)
     if not config.runtime.drafts_with_mtp:
         return 0
     return mtp_proposer_bytes(model_config, config.scheduler.max_num_seqs, max_len, config.runtime.draft_tokens, dtype)

@@ -9,6 +9,9 @@ server would measure). The KV arithmetic is engine/admission.py's, the one the e
 Measured vs estimated: weights, page and slot bytes are exact (the same tensors the engine allocates,
 on the meta device); the workspace is an estimate (logits buffers exactly, activations per token of
 the largest step), which the server replaces with the peak of a profiled step when it starts.
+With --speculative-config the draft counts too: the MTP layer's weights and cache, or a DSpark draft's
+weights (as load_dspark holds them) and its stages' context rings, from the draft directory's config.json
+(else the published one under configs/models/<its name>/: the release's draft is the target's checkpoint).
 Engram tables are planned in their tiers (gpu: split across ranks; host: whole tables in RAM; disk:
 files on NVMe with host and device row caches), at the release's row format: fp8 values and one ue8m0
 scale per 32 channels.
@@ -50,12 +53,15 @@ from engine.layout import (
 )
 from engine.memory_plan import RecordLayout
 from engine.expert_placement import ROUTED, ExpertPlacement, place_experts, routed_expert_shape
-from engine.plan_weights import KINDS, WeightTensor, weight_tensors
+from engine.plan_weights import KINDS, WeightTensor, draft_tensors, weight_tensors
 from engram_store.build import RESIDENCIES
 from models.cache import page_granularity
 from models.config import ConfigError, ModelConfig
+from models.dspark import DSparkConfig
+from models.loader import CheckpointError
 
 GiB = 2**30
+DRAFT_KINDS = ("DSpark draft layers", "MTP draft layer")
 MODELS_DIR = REPO_ROOT / "configs" / "models"
 FP32 = 4  # logits and activations are float32
 
@@ -96,6 +102,8 @@ class RigPlan:
     records: RecordLayout  # the prefix cache tiers' records, per rank
     prefix_tiers: PrefixTierLimits  # per rank
     experts: ExpertPlacement | None = None  # offload.experts host: which routed experts stay on the GPU
+    draft_state_bytes: int = 0  # per rank: the draft proposer's own state (part of kv.slot_state_bytes)
+    dspark: DSparkConfig | None = None  # the DSpark draft that drafts (--speculative-config method dspark)
 
     @property
     def weights_bytes(self) -> int:
@@ -127,6 +135,34 @@ def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
             return candidate
     shipped = MODELS_DIR / config.model_dir.name
     raise ConfigFileError(f"model.path: no config.json in {config.model_dir} nor in {shipped}")
+
+
+def draft_config_json(model: str) -> Path:
+    """A DSpark draft directory's config.json: its own, else the published one shipped under
+    configs/models/<its directory name>/ (the release's draft is the target's checkpoint, on the rig)."""
+    own = Path(model) / "config.json"
+    shipped = MODELS_DIR / Path(model).name / "config.json"
+    return shipped if not own.exists() and shipped.exists() else own
+
+
+def dspark_draft(config: ServeConfig, model_config: ModelConfig, model_json: Path
+                 ) -> tuple[DSparkConfig, Path] | None:
+    """The DSpark draft --speculative-config names (its config and config.json), checked as the engine
+    checks it at start (engine/factory.py check_dspark); None when another method drafts, or none."""
+    speculative = config.runtime.speculative_config
+    if speculative is None or speculative.method != "dspark":
+        return None
+    path = draft_config_json(speculative.model)
+    try:
+        draft = DSparkConfig.from_file(path, model_config)
+    except ConfigError as exc:
+        raise ConfigFileError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a DSpark"
+                              f" draft of {model_json.parent.name} is needed: {exc}") from None
+    k = speculative.num_speculative_tokens
+    if k > draft.block_size:
+        raise ConfigFileError(f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {k}: the"
+                              f" DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
+    return draft, path
 
 
 def plan_device(config: ServeConfig) -> str:
@@ -212,9 +248,16 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
                                                config.model.load_format, mtp=config.runtime.drafts_with_mtp)
     except ConfigError as exc:
         raise ConfigFileError(str(exc)) from None
+    draft = dspark_draft(config, model_config, model_json)
+    if draft is not None:
+        try:
+            weights += draft_tensors(draft[0], draft[1], config.model.quantization, dtype)
+        except CheckpointError as exc:  # its quantization_config
+            raise ConfigFileError(f"runtime.speculative_config.model (--speculative-config): {exc}") from None
     max_len = max_model_len(config, model_config)
     page_bytes, slot_state, host_tier_page_bytes = cache_bytes(model_config, config, dtype, max_len)
-    slot_state += draft_state_bytes(config, model_config, dtype, max_len)
+    draft_state = draft_state_bytes(config, model_config, dtype, max_len, draft[0] if draft else None)
+    slot_state += draft_state
     activations, logits = workspace_estimate(model_config, config)
     engram = engram_plan(model_config, config, device, ranks)
     budget, host_budget = budgets(config, device, ranks)
@@ -263,7 +306,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
     needs = tuple(str(f) for f in unbuilt_features(config))
     return RigPlan(config_path, model_json, model_config, device, ranks, dtype, config.model.quantization,
                    tuple(weights), engram, activations, logits, max_len, config.scheduler.max_num_seqs, kv, host_budget,
-                   needs, records, tiers, experts)
+                   needs, records, tiers, experts, draft_state, draft[0] if draft else None)
 
 
 def expert_placement(config: ServeConfig, model_config: ModelConfig, weights: list[WeightTensor],
@@ -321,6 +364,10 @@ def _check_fixed(name: str, config: ServeConfig, device: str, budget: int, fixed
         fixes.append("expert offload (offload.experts: host; the plan places it, serving it is not built yet)")
     else:
         fixes.append("fewer experts kept on the GPU (offload.gpu_experts_per_layer / offload.gpu_experts_gb)")
+    drafts = sum(t.per_rank(ranks) for t in weights if t.kind in DRAFT_KINDS)
+    if drafts:
+        fixes.append(f"no draft layers (runtime.speculative_config: {_size(drafts)} of weights per rank, and their"
+                     " state in the slot state)")
     raise PlanRefused(
         f"{name} does not fit: per rank, weights and resident Engram {_size(fixed)} + workspace {_size(workspace)}"
         f" + slot state {_size(slot_state)} = {_size(needed)}, over the budget of {_size(budget)} ({where}) by"
@@ -404,7 +451,7 @@ def describe(plan: RigPlan) -> str:
         (f"  workspace (estimate)  {_gib(plan.activations_bytes + plan.logits_bytes)}   activations"
          f" {_size(plan.activations_bytes)} + logits {_size(plan.logits_bytes)}; the server measures it at start"),
         (f"  slot state            {_gib(kv.slot_state_bytes)}   windows, open groups, look-back: every slot"
-         + (" (the MTP draft layer's too)" if any(t.kind == "MTP draft layer" for t in plan.weights) else "")),
+         + _draft_state_note(plan)),
         (f"  KV                    {_gib(kv.kv_bytes)}   {kv.num_pages:,} pages x {kv.page_bytes:,} B"
          f" = {kv.num_pages * kv.block_tokens:,} tokens ({kv.page_bytes / kv.block_tokens:,.0f} B per token)"),
         *_host_tier_lines(kv),
@@ -416,6 +463,17 @@ def describe(plan: RigPlan) -> str:
     lines.append("needs       " + ("; ".join(plan.needs) if plan.needs else "nothing unbuilt"))
     lines.append("fits        yes")
     return "\n".join(lines)
+
+
+def _draft_state_note(plan: RigPlan) -> str:
+    """What of the slot state the draft proposer holds (after the slot state figure)."""
+    if plan.dspark is not None:
+        d = plan.dspark
+        return (f"; the DSpark rings {_size(plan.draft_state_bytes)} of it ({d.stages} stages x {plan.max_num_seqs}"
+                f" slots x {d.layers.sliding_window} rows x {d.layers.head_dim} x {plan.dtype.itemsize} B)")
+    if plan.draft_state_bytes:
+        return f"; the MTP draft layer's cache {_size(plan.draft_state_bytes)} of it"
+    return ""
 
 
 def _sequences(plan: RigPlan) -> str:

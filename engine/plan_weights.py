@@ -14,6 +14,10 @@ follow the format the server holds it in (`model.quantization`):
   files to read; a config.json without quantization_config counts the release's defaults (`RELEASED`:
   128 x 128 blocks, MXFP4 experts), which is what dummy weights in the released format then hold.
 Engram tables are not weights here: they live in their own tiers (engine/plan.py).
+A DSpark draft (`draft_tensors`, --speculative-config method dspark) is counted as the engine holds it,
+from its own config.json: models/dspark.py builds it on the meta device as load_dspark holds a
+checkpoint in the release's formats (with `checkpoint`: FP8 linears with float32 block scales, MXFP4
+experts, o_a_proj dequantized), so its figure is the loaded draft's bytes, not the files'.
 
 Across tensor-parallel ranks, the sharding of issue 9: routed experts (expert parallel), the q / o
 projections, the shared expert, the embedding and the head are split; everything else is replicated.
@@ -31,16 +35,18 @@ import torch
 
 from kernels.quant import FP8_BLOCK
 from models.config import ConfigError, ModelConfig
+from models.dspark import DSparkConfig, held_draft, held_tensor_bytes
 from models.loader import (
     _target_dtype,  # the loader's own dtype rule, so both count the same bytes
 )
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.mtp import attach_mtp
-from models.released_format import stored_fp8
+from models.released_format import ReleasedFormat, stored_fp8
 
 # (kind, name fragments), first match wins; names are transformers' module names (models/).
 KINDS = (
+    ("DSpark draft layers", ("dspark.",)),  # --speculative-config method dspark (model.dspark.mtp.*)
     ("MTP draft layer", ("mtp.",)),  # speculative decoding's (--speculative-config method mtp)
     ("routed experts", (".mlp.experts.",)),
     ("shared expert", (".mlp.shared_experts.",)),
@@ -143,3 +149,25 @@ def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype,
             nbytes = stored_bytes(name, tensor, fmt, dtype)
         out.append(WeightTensor(name, kind_of(name), nbytes, any(f in name for f in SHARDED)))
     return model_config, out
+
+
+def draft_tensors(draft: DSparkConfig, draft_json: Path, quantization: str, dtype: torch.dtype) -> list[WeightTensor]:
+    """The DSpark draft's weights, named as the engine's model holds them (`dspark.mtp.*`), with their
+    bytes as load_dspark holds them: dense in the loader's dtypes, or with `checkpoint` in the formats
+    the draft's config.json names (its quantization_config: FP8 block side, MXFP4 experts; none: dense)."""
+    fp8, packed = None, False
+    if quantization == "checkpoint":
+        fp8, packed = draft_formats(draft_json)
+    held = held_draft(draft, fp8, packed)
+    return [WeightTensor(f"dspark.{name}", kind_of("dspark."), nbytes, any(f in name for f in SHARDED))
+            for name, nbytes in held_tensor_bytes(held, dtype)]
+
+
+def draft_formats(config_json: Path) -> tuple[int | None, bool]:
+    """(FP8 block side or None, MXFP4 experts) of a draft checkpoint, from its config.json's
+    quantization_config (at the top or in V4.1's text_config); without one every weight is dense."""
+    raw = json.loads(config_json.read_text())
+    if (raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")) is None:
+        return None, False
+    released = ReleasedFormat.of(config_json)
+    return released.fp8_block, released.packed_experts

@@ -58,6 +58,11 @@ dspark_n_routed_experts / dspark_num_experts_per_tok (the stages' MoE; the targe
 the stages' compress_ratios after the layers' (0: sliding window only). A draft directory is such a
 config.json with the `mtp.*` tensors: the release ships them inside the target's checkpoint, so the
 target's own directory is one.
+
+Weights stored FP8 (e4m3 with block scales, config.json's weight_block_size) or MXFP4 (routed experts)
+are dequantized at load, or with `model.quantization: checkpoint` held as the target holds them
+(models/loader.py): Fp8Linear and packed experts, run by the same kernels. `held_draft` builds that
+form on the meta device and `ring_bytes` the proposer's rings: what `python -m server plan` counts.
 """
 
 from __future__ import annotations
@@ -75,22 +80,28 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
+from kernels.quant import MXFP4_BLOCK, quantize_fp8_blocks, quantize_mxfp4
 from models.attention import add_attention_projections, attention_output
 from models.config import MOE, SLIDING, ConfigError, ModelConfig
 from models.config_v41 import text_config
 from models.hyper import HyperConnection, collapse, merge_streams
-from models.layers import RMSNorm, RotaryTable, apply_rope
+from models.layers import Fp8Linear, RMSNorm, RotaryTable, apply_rope
 from models.loader import (
     CheckpointError,
     TensorSource,
     WeightReader,
     _assign,
+    _read_packed_experts,
     _read_parameter,
+    _stored_fp8,
     _target_dtype,
     fp8_block,
+    fp8_candidates,
+    swap_in_fp8,
 )
-from models.moe import MoE
+from models.moe import Experts, MoE
 from models.parallel import SINGLE, TensorParallel, shard_of
+from models.released_format import stored_fp8
 from models.weight_names import ExpertParts, NameIndex, module_name
 
 
@@ -198,6 +209,13 @@ def allocate_rings(config: DSparkConfig, num_slots: int, dtype: torch.dtype, dev
     at row p % sliding_window (the release's window cache; nothing else of a sequence is kept)."""
     c = config.layers
     return torch.zeros(config.stages, num_slots, c.sliding_window, c.head_dim, dtype=dtype, device=device)
+
+
+def ring_bytes(config: DSparkConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """The bytes `allocate_rings` allocates for `num_slots` (its tensor on the meta device): what the
+    proposer holds beside the target's cache, and what `python -m server plan` counts for it."""
+    rings = allocate_rings(config, num_slots, dtype, "meta")
+    return rings.numel() * rings.element_size()
 
 
 class DSparkAttention(nn.Module):
@@ -387,11 +405,72 @@ def draft_names(stored: set[str]) -> NameIndex:
     return NameIndex(direct=direct, experts=dict(experts))
 
 
-def load_dspark(directory: str | Path, target: nn.Module, tp: TensorParallel = SINGLE) -> DSparkDraft:
+# The heads read their weights directly, in float32 (the release keeps them so): never held as Fp8Linear.
+FLOAT32_HEADS = ("markov_head.", "confidence_head.")
+
+
+def held_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
+    """The dtype a dense draft tensor is held in: the loader's rule (float32 norms, mHC, sinks and biases,
+    `dtype` otherwise), the heads float32."""
+    return _target_dtype(name, torch.float32 if any(h in name for h in FLOAT32_HEADS) else dtype, stored)
+
+
+def stored_fp8_in_draft(name: str) -> bool:
+    """Whether the release stores draft weight `name` as block-scaled FP8: the target's layers' list
+    (models/released_format.py: attention projections, shared expert) and main_proj, a linear of the
+    draft as e_proj / h_proj are of V4's MTP layer."""
+    return stored_fp8(name) or name.endswith(".main_proj.weight")
+
+
+def fp8_linear_candidates(draft: DSparkDraft) -> list[tuple[str, nn.Linear]]:
+    """The draft's linears that may be held as Fp8Linear (the loader's candidates but the heads)."""
+    return [(name, linear) for name, linear in fp8_candidates(draft)
+            if not any(h in f"{name}." for h in FLOAT32_HEADS)]
+
+
+def held_draft(config: DSparkConfig, fp8: int | None = None, packed_experts: bool = False) -> DSparkDraft:
+    """The whole draft on the meta device in the form `load_dspark(keep_quantized=True)` holds a
+    checkpoint in the release's formats: the linears the release stores FP8 (`stored_fp8_in_draft`) as
+    Fp8Linear of `fp8` x `fp8` blocks (None: none), the routed experts as MXFP4 codes and exponents when
+    `packed_experts`; the rest as load_dspark holds it (o_a_proj, a grouped projection, dequantized, as
+    the target's). The confidence head without a bias, as the release has it. What `python -m server
+    plan` counts (engine/plan_weights.py)."""
+    with torch.device("meta"):
+        draft = DSparkDraft(config, nn.Identity(), nn.Identity())
+    if fp8:
+        for name, _ in fp8_linear_candidates(draft):
+            if stored_fp8_in_draft(f"{name}.weight"):
+                swap_in_fp8(draft, name, fp8)
+    if packed_experts:
+        for experts in [m for m in draft.modules() if isinstance(m, Experts)]:
+            for leaf in ("gate_up_proj", "down_proj"):
+                held, rows, cols = experts.weights(leaf).shape
+                experts.keep_packed(leaf, torch.empty(held, rows, cols // 2, dtype=torch.uint8, device="meta"),
+                                    torch.empty(held, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device="meta"))
+    return draft
+
+
+def held_tensor_bytes(draft: DSparkDraft, dtype: torch.dtype) -> list[tuple[str, int]]:
+    """(name, bytes) of each of the draft's parameters and buffers as load_dspark holds them in `dtype`
+    (on any device, the meta device included): Fp8Linear values and float32 scales, MXFP4 codes and
+    exponents as they are, the rest by `held_dtype`."""
+    fp8 = {name for name, module in draft.named_modules() if isinstance(module, Fp8Linear)}
+    out = []
+    for name, tensor in list(draft.named_parameters()) + list(draft.named_buffers()):
+        held = tensor.dtype if name.rpartition(".")[0] in fp8 else held_dtype(name, dtype, tensor.dtype)
+        out.append((name, tensor.numel() * held.itemsize))
+    return out
+
+
+def load_dspark(directory: str | Path, target: nn.Module, tp: TensorParallel = SINGLE,
+                keep_quantized: bool = False) -> DSparkDraft:
     """The draft of `directory` (config.json with the dspark keys, `mtp.*` tensors in its safetensors; other
     tensors there, such as a whole target's, are not read) for `target`, on its device and in its dtype
-    (the Markov and confidence heads in float32, as the release keeps them). ConfigError for a directory
-    that is not a DSpark checkpoint of this target, CheckpointError for missing or surplus `mtp.*` tensors."""
+    (the Markov and confidence heads in float32, as the release keeps them). FP8 and MXFP4 tensors are
+    dequantized, or with `keep_quantized` (`model.quantization: checkpoint`) held as the target holds
+    them (models/loader.py): FP8 linears as Fp8Linear, MXFP4 routed experts packed. ConfigError for a
+    directory that is not a DSpark checkpoint of this target, CheckpointError for missing or surplus
+    `mtp.*` tensors."""
     directory = Path(directory)
     config = DSparkConfig.from_file(directory / "config.json", target.config)
     source = TensorSource(directory)
@@ -400,20 +479,48 @@ def load_dspark(directory: str | Path, target: nn.Module, tp: TensorParallel = S
     with torch.device("meta"):
         draft = DSparkDraft(config, target.model.embed_tokens, target.lm_head, tp, confidence_bias=bias)
     reader = WeightReader(source, fp8_block(directory / "config.json"))
+    fp8_modules = _hold_fp8(draft, reader, index) if keep_quantized else set()
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     for name, tensor in list(draft.named_parameters()) + list(draft.named_buffers()):
-        value = _read_parameter(reader, index, name, tensor.shape, shard_of(draft, name))
-        wanted = torch.float32 if "markov_head." in name or "confidence_head." in name else dtype
-        _assign(draft, name, value.to(device=device, dtype=_target_dtype(name, wanted, value.dtype)))
+        owner, _, leaf = name.rpartition(".")
+        shard = shard_of(draft, name)
+        if owner in fp8_modules:
+            if leaf == "weight":  # its weight_scale comes with it
+                values, scale = reader.read_stored(index.direct.get(name, name), tensor.shape, shard, "fp8")
+                _assign(draft, name, values.to(device))
+                _assign(draft, f"{owner}.weight_scale", scale.to(device))
+            continue
+        module = draft.get_submodule(owner)
+        packed = None
+        if keep_quantized and isinstance(module, Experts):
+            packed = _read_packed_experts(reader, index, name, tensor.shape, shard)
+        if packed is not None:
+            module.keep_packed(leaf, packed[0].to(device), packed[1].to(device))
+            continue
+        value = _read_parameter(reader, index, name, tensor.shape, shard)
+        _assign(draft, name, value.to(device=device, dtype=held_dtype(name, dtype, value.dtype)))
     surplus = sorted(name for name in source.names() - reader.consumed if _STAGE.match(name))
     if surplus:
         raise CheckpointError(f"{directory}: DSpark tensors the draft does not use: {', '.join(surplus[:5])}")
     return draft.eval()
 
 
-def attach_dspark(model: nn.Module, directory: str | Path, tp: TensorParallel = SINGLE) -> DSparkDraft:
+def _hold_fp8(draft: DSparkDraft, reader: WeightReader, index: NameIndex) -> set[str]:
+    """Puts an Fp8Linear where each candidate linear stands whose checkpoint weight is FP8 (and whose
+    shard, if any, cuts whole blocks), as the loader does for the target; returns their names."""
+    held = set()
+    for name, linear in fp8_linear_candidates(draft):
+        stored = index.direct.get(f"{name}.weight", f"{name}.weight")
+        if stored in reader.source.names() and _stored_fp8(reader, stored, linear, shard_of(draft, f"{name}.weight")):
+            swap_in_fp8(draft, name, reader.fp8_block)
+            held.add(name)
+    return held
+
+
+def attach_dspark(model: nn.Module, directory: str | Path, tp: TensorParallel = SINGLE,
+                  keep_quantized: bool = False) -> DSparkDraft:
     """Loads the draft of `directory` as `model.dspark` (a submodule: its weights count with the model's)."""
-    model.dspark = load_dspark(directory, model, tp)
+    model.dspark = load_dspark(directory, model, tp, keep_quantized)
     return model.dspark
 
 
@@ -434,10 +541,12 @@ def tiny_dspark_keys(target: ModelConfig, **overrides: Any) -> dict[str, Any]:
     return keys
 
 
-def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, fp8: int | None = None,
+                      **overrides: Any) -> Path:
     """Writes a DSpark draft for the checkpoint in `target_dir` into `out`: its config.json with the dspark
     keys (`tiny_dspark_keys`, `overrides` replacing them) and the stages' ratios appended, and seeded
-    random `mtp.*` weights (models/random_model.py's rule) in model.safetensors."""
+    random `mtp.*` weights (models/random_model.py's rule) in model.safetensors. With `fp8` (a block
+    side), in the release's formats (`stored_as_released`) with config.json's quantization_config."""
     from models.random_model import random_tensor
 
     out, target_dir = Path(out), Path(target_dir)
@@ -453,6 +562,25 @@ def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, **
     generator = torch.Generator().manual_seed(seed)
     weights = {name: random_tensor(name, tensor.shape, config.layers.n_routed_experts, generator).contiguous()
                for name, tensor in list(draft.named_parameters()) + list(draft.named_buffers())}
+    if fp8:
+        weights = stored_as_released(weights, fp8)
+        raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [fp8, fp8], "expert_dtype": "fp4"}
     save_file(weights, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
+
+
+def stored_as_released(weights: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """A draft's dense tensors (this project's names) in the release's formats: the weights it stores FP8
+    (`stored_fp8_in_draft`) as float8_e4m3fn with float32 `_scale_inv` per `block` x `block` tile
+    (kernels/quant.py quantize_fp8_blocks), the stacked routed experts as MXFP4 codes with `_scale`
+    exponents per 32 (quantize_mxfp4); the rest as they are."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name], out[f"{name}_scale"] = quantize_mxfp4(tensor)
+        elif stored_fp8_in_draft(name) and tensor.dim() == 2:
+            out[name], out[f"{name}_scale_inv"] = quantize_fp8_blocks(tensor, block)
+        else:
+            out[name] = tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
