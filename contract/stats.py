@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Upper edges (seconds) of the Engram prefetch-wait histogram that the engine reports.
 PREFETCH_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -29,19 +29,25 @@ class StepTokens:
 class SpecDecodeCounts:
     """Speculative decoding's counts since start, as vLLM's spec_decode metrics count them: verify
     chunks that carried drafts, the drafts they carried, the drafts accepted, and how many chunks
-    accepted a draft at each position (0 = the first draft)."""
+    accepted a draft at each position (0 = the first draft). ds4serve's own: the proposer's draft steps
+    (its drafting after a sampling chunk) run, and those skipped while the draft policy verified none."""
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    draft_steps: int = 0
+    skipped_draft_steps: int = 0
 
     def add(self, carried: int, accepted: int) -> SpecDecodeCounts:
         per_position = list(self.accepted_per_position) + [0] * max(0, carried - len(self.accepted_per_position))
         for position in range(accepted):
             per_position[position] += 1
-        return SpecDecodeCounts(self.drafts + 1, self.draft_tokens + carried, self.accepted_tokens + accepted,
-                                tuple(per_position))
+        return replace(self, drafts=self.drafts + 1, draft_tokens=self.draft_tokens + carried,
+                       accepted_tokens=self.accepted_tokens + accepted, accepted_per_position=tuple(per_position))
+
+    def add_draft_steps(self, run: int, skipped: int) -> SpecDecodeCounts:
+        return replace(self, draft_steps=self.draft_steps + run, skipped_draft_steps=self.skipped_draft_steps + skipped)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ class ScheduledChunk:
     # tokens proposed to follow token_ids (a speculative step), computed after them and verified by
     # drawing at each: only a sampling chunk carries them; the scheduler sets none yet
     draft_token_ids: tuple[int, ...] = ()
+    # a sampling chunk: the worker's proposer drafts after it (False: the scheduler's draft policy has the
+    # request's next chunk verify none, so the proposer only keeps its own state over the chunk's rows)
+    draft_next: bool = True
     # the tokens this chunk's draw may take, one bit per token id (bit i % 32 of word i // 32, words
     # as int32 values), from the request's grammar (engine/structured_outputs.py); empty: any token
     token_bitmask: tuple[int, ...] = ()
@@ -136,3 +139,7 @@ class ChunkResult:
 class StepResult:
     chunks: tuple[ChunkResult, ...]
     tier_done: tuple[TierDone, ...] = ()  # asynchronous tier moves that finished since the last step
+    # the worker's proposer (speculative decoding) after this step: sampling chunks it drafted after, and
+    # those it skipped drafting after (`draft_next` False: it only kept its state)
+    draft_steps: int = 0
+    skipped_draft_steps: int = 0

@@ -46,6 +46,8 @@ class Request:
     # speculative decoding: the drafts the worker proposed to follow the last token (its last landed
     # result's `proposed`); the next decode chunk verifies as many as fit
     drafts: tuple[int, ...] = ()
+    # the draft policy asked for those drafts as a probe (spec_policy.Drafting.PROBE): one is verified
+    probing: bool = False
 
     @property
     def request_id(self) -> str:

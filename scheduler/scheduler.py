@@ -59,7 +59,7 @@ from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.prefix_cache import PrefixCache, StatePoint, block_chain
 from scheduler.prefix_tiers import DiskEntry, PrefixTiers, TierPoint
 from scheduler.request import Request, RequestStatus
-from scheduler.spec_policy import SpeculationPolicy
+from scheduler.spec_policy import Drafting, SpeculationPolicy
 
 log = logging.getLogger("ds4serve.scheduler")
 
@@ -257,8 +257,19 @@ class Scheduler:
         room = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
                    self.limits.max_model_len - request.num_tokens - 1)
         if self.spec_policy is not None:
-            room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts)))
+            room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts), request.probing))
         return drafts[: max(room, 0)]
+
+    def _draft_next(self, request: Request) -> bool:
+        """Whether the proposer drafts after the request's sampling chunk being launched: the policy
+        decides now whether the next chunk may verify drafts (scheduler/spec_policy.py drafting_next), so
+        that while it verifies none the proposer skips its drafting work; a probe is remembered for
+        `_drafts`. Without a policy (fixed K) always."""
+        if self.spec_policy is None:
+            return True
+        drafting = self.spec_policy.drafting_next(len(self.running))
+        request.probing = drafting is Drafting.PROBE
+        return drafting is not Drafting.OFF
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step that forwarded `rows` tokens took `seconds` from launch to landing (serial steps:
@@ -277,6 +288,7 @@ class Scheduler:
         if chunk.sample:
             request.draws_in_flight += 1
             request.logits_position = request.num_computed_tokens
+            chunk = dataclasses.replace(chunk, draft_next=self._draft_next(request))
         if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
             pointed.append(request)
         return chunk
@@ -466,6 +478,8 @@ class Scheduler:
         """Applies a step's results (its finished tier moves first); returns one output per request that changed."""
         for done in result.tier_done:
             self._tier_done(done)
+        if result.draft_steps or result.skipped_draft_steps:
+            self.spec = self.spec.add_draft_steps(result.draft_steps, result.skipped_draft_steps)
         outputs = []
         for chunk, chunk_result in zip(plan.chunks, result.chunks, strict=True):
             request = self.launched.get(chunk.request_id)

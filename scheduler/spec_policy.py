@@ -12,13 +12,19 @@ two things this module measures online instead of assuming:
 Each step takes the k (0 .. the drafts proposed) with the most expected tokens per second for its
 decode batch. Until both are measured (the first steps) it verifies every draft proposed, as vLLM's
 fixed num_speculative_tokens does. While k is 0 every PROBE_EVERY-th step still verifies one draft,
-(one decode chunk in that many, counted per chunk), so acceptance keeps being measured and drafting
+(one sampling chunk in that many, counted per chunk), so acceptance keeps being measured and drafting
 comes back when the batch shrinks or drafts improve.
 Users reported DSpark costing throughput at saturation on vLLM; this is the guard against that.
+
+The drafts a chunk verifies are proposed as the step before it lands, so whether they will be wanted is
+decided a step ahead, as that step's sampling chunk is launched (`drafting_next`): while drafting does
+not pay and no probe is due, the proposer skips its drafting work after the chunk (it only keeps its
+state: worker/proposers.py), which is what lets plain decoding recover the proposer's own cost.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 PROBE_EVERY = 16  # while drafting does not pay, one decode chunk in this many still verifies a draft
@@ -57,6 +63,14 @@ class StepCost:
         return fixed, per_row
 
 
+class Drafting(enum.Enum):
+    """What the policy wants of the proposer after a sampling chunk (`SpeculationPolicy.drafting_next`)."""
+
+    ON = "on"  # drafting pays, or is not measured yet: the next chunk verifies `draft_count` drafts
+    PROBE = "probe"  # it does not, but the chunk is a probe: the next chunk verifies one draft
+    OFF = "off"  # it does not: the next chunk verifies none, so the proposer only keeps its state
+
+
 @dataclass
 class SpeculationPolicy:
     """The drafts each decode step verifies (see the module docstring)."""
@@ -64,7 +78,7 @@ class SpeculationPolicy:
     cost: StepCost
     reached: list[int]  # per draft position: verify chunks whose drafts before it were all accepted
     passed: list[int]  # of those, the chunks that accepted the draft at it too
-    calls: int = 0
+    calls: int = 0  # sampling chunks launched while drafting did not pay (the probe schedule's count)
 
     @classmethod
     def fresh(cls) -> SpeculationPolicy:
@@ -100,18 +114,38 @@ class SpeculationPolicy:
             total += reach
         return total
 
-    def draft_count(self, batch: int, proposed: int) -> int:
-        """Drafts (0 .. `proposed`) a sequence of a `batch`-sequence decode step verifies now."""
+    def drafting_next(self, batch: int) -> Drafting:
+        """Whether the proposer drafts after a sampling chunk launched now into a `batch`-sequence step, and
+        whether as a probe: asked once per sampling chunk, before the step runs (its drafts are proposed as
+        it lands). Drafting pays for some k exactly when it pays for k = 1 (each further draft gains no
+        more than the one before it, at the same cost a row: see `_best`), so the proposer's K need not be
+        known. Where it does not pay, the chunk counts toward the probe schedule: every PROBE_EVERY-th
+        such chunk is a probe."""
+        best = self._best(batch, 1)
+        if best is None or best > 0:
+            return Drafting.ON
+        self.calls += 1
+        return Drafting.PROBE if self.calls % PROBE_EVERY == 0 else Drafting.OFF
+
+    def draft_count(self, batch: int, proposed: int, probe: bool = False) -> int:
+        """Drafts (0 .. `proposed`) a sequence of a `batch`-sequence decode step verifies now; `probe`: they
+        were proposed for a probe (`drafting_next`), which verifies one where drafting does not pay."""
         if proposed <= 0:
             return 0
+        best = self._best(batch, proposed)
+        if best is None:
+            return proposed
+        return best if best > 0 else int(probe)
+
+    def _best(self, batch: int, most: int) -> int | None:
+        """The k (0 .. `most`) with the most expected tokens per second, None until the cost is measured.
+        Rates are E(k) / (fixed + per_row x batch x (k + 1)) with E's increments non-increasing (products of
+        acceptances below 1): if the first draft gains no more than its row's share of the cost, no later
+        one does, so k = 0 beats every k exactly when it beats k = 1."""
         fit = self.cost.fit()
         if fit is None:
-            return proposed
+            return None
         fixed, per_row = fit
         rates = [batch * self.expected_tokens(k) / (fixed + per_row * batch * (k + 1) + 1e-12)
-                 for k in range(proposed + 1)]
-        best = max(range(proposed + 1), key=lambda k: (rates[k], -k))
-        if best == 0:
-            self.calls += 1
-            return 1 if self.calls % PROBE_EVERY == 0 else 0
-        return best
+                 for k in range(most + 1)]
+        return max(range(most + 1), key=lambda k: (rates[k], -k))

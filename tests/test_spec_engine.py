@@ -269,18 +269,22 @@ def test_the_policy_verifies_every_draft_until_it_has_measured():
 def test_small_launch_bound_batches_draft_and_large_compute_bound_ones_fall_back():
     """Costs like the H200 slice's (a step ~1.7 ms at one row, ~0.16 ms a further row) and half the first
     drafts accepted, no second: one sequence verifies a draft (1.5 tokens for 1.2x the step); 32
-    sequences verify none (their rows cost), except the probes that keep acceptance measured; with
+    sequences verify none (their rows cost), and the proposer drafts for none of them, except the probes
+    (every PROBE_EVERY-th sampling chunk, decided as it is launched) that keep acceptance measured; with
     every draft accepted 32 sequences draft again."""
-    from scheduler.spec_policy import PROBE_EVERY
+    from scheduler.spec_policy import PROBE_EVERY, Drafting
 
     mediocre = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=(0, 1))
-    assert mediocre.draft_count(batch=1, proposed=3) >= 1
-    counts = [mediocre.draft_count(batch=32, proposed=3) for _ in range(4 * PROBE_EVERY)]
-    assert counts.count(1) == 4 and counts.count(0) == 4 * PROBE_EVERY - 4  # a probe every PROBE_EVERY-th
+    assert mediocre.draft_count(batch=1, proposed=3) >= 1 and mediocre.drafting_next(batch=1) is Drafting.ON
+    wishes = [mediocre.drafting_next(batch=32) for _ in range(4 * PROBE_EVERY)]
+    assert wishes.count(Drafting.PROBE) == 4 and wishes.count(Drafting.OFF) == 4 * PROBE_EVERY - 4
+    assert wishes[PROBE_EVERY - 1] is Drafting.PROBE  # a probe every PROBE_EVERY-th
+    assert mediocre.draft_count(batch=32, proposed=3) == 0 and mediocre.draft_count(batch=32, proposed=3, probe=True) == 1
     perfect = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=3)
     assert perfect.draft_count(batch=1, proposed=3) == 3 and perfect.draft_count(batch=32, proposed=3) >= 1
+    assert perfect.drafting_next(batch=32) is Drafting.ON
     useless = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=0)
-    assert useless.draft_count(batch=1, proposed=3) == 0 or useless.calls % PROBE_EVERY == 0
+    assert useless.draft_count(batch=1, proposed=3) == 0 and useless.drafting_next(batch=1) is Drafting.OFF
 
 
 def test_the_scheduler_cuts_drafts_to_the_policy():

@@ -8,7 +8,14 @@ at their position in that stage's ring (only a chunk's last `sliding_window` row
 more). Rejected rows are never written, so nothing rolls back. A sampling chunk then drafts: a block of
 [drawn token, noise ...] after its last kept row through the stages, all sequences of the step in one
 batch, and its first K Markov-corrected greedy drafts, cut before the first position the confidence
-head scores below `confidence_threshold` (DeepSpec's early stop; 0 keeps them all).
+head scores below `confidence_threshold` (DeepSpec's early stop; 0 keeps them all). A sampling chunk
+whose `draft_next` is off (the draft policy has its next chunk verify none) only writes its context: the
+rings are all the state a block reads, so the stages, the heads and the read of the drafts to the host
+are skipped, and drafting resumes at any step from rings exactly as drafting would have left them.
+Writing the context (main_proj and a key projection per stage over the rows that stand) is the small
+part (~10% of a drafting step's proposer time: tiny V4.1, CPU, K = 4, one sequence); deferring it to a
+catch-up when drafting resumes would keep each slot's last window of taps and move the work onto the
+probe step.
 
 Drafts are the argmax of each position's logits whatever the request's temperature: the runner verifies
 a draft by drawing at its position and comparing (rejection sampling against a one-hot draft), which
@@ -79,7 +86,7 @@ class DSparkProposer:
             positions.extend(range(start, end))
             slots.extend([chunk.slot] * (end - start))
             context.end = end
-            if item.next_token is not None:
+            if item.next_token is not None and chunk.draft_next:
                 blocks.append((chunk.request_id, (chunk.slot, item.next_token, end - 1, context.first)))
         if not taps:
             return {}

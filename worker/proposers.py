@@ -14,6 +14,8 @@ any draft safe: a proposer changes how many tokens a step yields, never which.
   target's do). The last kept row of a sampling chunk predicts the first draft; K - 1 chained steps the
   rest (argmax: deterministic drafts, which the runner's rejection sampling against a one-hot draft
   verifies exactly). A prompt chunk's last row waits for the next chunk's first token (`_waiting`).
+  After a sampling chunk whose `draft_next` is off (the draft policy has its next chunk verify none) the
+  rows still go through the layer, no logits row, no chain, no read to the host: see MTPProposer.
 - `DSparkProposer` ("dspark", V4.1; worker/dspark.py): DSpark's draft layers (models/dspark.py), a block
   of drafts a step from the target's taps (the streams entering `tap_layers`) and the drawn token.
 - `NgramProposer` ("ngram", any model; vLLM's prompt lookup): the longest suffix of the sequence, of
@@ -63,7 +65,9 @@ class DraftProposer(Protocol):
     tap_layers: tuple[int, ...]
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
-        """request id -> its drafts (at most the proposer's K), for the chunks that sampled."""
+        """request id -> its drafts (at most the proposer's K), for the chunks that sampled with
+        `chunk.draft_next` on. After every other chunk it only brings its own state (cache, context, history)
+        over the rows that stand, exactly as drafting would have left it, so drafting can resume at any step."""
         ...
 
     def device_bytes(self) -> int:
@@ -99,7 +103,7 @@ class NgramProposer:
                 self.history[chunk.slot] = (start, tokens)
             del tokens[chunk.position - start:]
             tokens.extend(item.forwarded[: item.kept])
-            if item.next_token is not None:
+            if item.next_token is not None and chunk.draft_next:
                 found = self.lookup(tokens + [item.next_token])
                 if found:
                     drafts[chunk.request_id] = found
@@ -118,7 +122,19 @@ class NgramProposer:
 
 
 class MTPProposer:
-    """V4's MTP layer as the draft model, with its own cache (one window ring per request slot)."""
+    """V4's MTP layer as the draft model, with its own cache (one window ring per request slot).
+
+    After a sampling chunk whose `draft_next` is off it runs the layer over the chunk's rows that stand as
+    over a prompt chunk's (what writes its cache), and skips the head, the K - 1 chained steps and the
+    read of the drafts to the host (the sync): that leaves the cache exactly as drafting would (the chain
+    writes only spare rows past the last kept one, which the next step's rows overwrite), at ~40% of a
+    drafting step's proposer time (tiny V4, CPU, K = 2, 1 and 8 sequences). Skipping the layer too and
+    catching the cache up when drafting resumes would need the layer's inputs of every skipped row, the
+    target's streams [hc_mult, hidden], copied out each step into a ring per slot: a window of them for a
+    sliding MTP layer (4 MiB a slot on V4-Flash, held beside the cache), every row since the last draft
+    for a compressed one (unbounded); and the policy turns drafting off at large batches, where one chunk
+    in PROBE_EVERY still probes, so nearly every step would run a catch-up forward anyway.
+    """
 
     needs_streams = True
     tap_layers: tuple[int, ...] = ()
@@ -161,7 +177,7 @@ class MTPProposer:
             if following:
                 sequences.append((slot, following, position))
                 inputs.append(rows)
-                if item.next_token is not None:
+                if item.next_token is not None and chunk.draft_next:
                     sampling.append((len(sequences) - 1, chunk.request_id))
         if not sampling:
             if sequences:

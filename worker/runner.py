@@ -32,10 +32,11 @@ spare rows, so the slot simply resumes at the accepted position (tests/test_draf
 Engram look-back is the exception: it is a slot's last tokens, so a verify chunk that rejected a draft
 puts the look-back it had before back, advanced over the tokens that stand (EngramMemory.rewind). With a
 `proposer` (worker/proposers.py) the runner then asks it for each sampling request's next drafts,
-reported as ChunkResult.proposed. With graphs, verify chunks replay verify graphs (worker/cuda_graphs.py:
-1 + draft_tokens rows a sequence, wave-major, a step's plain decodes padded alongside), which also keep
-the streams an MTP proposer reads; V4.1's drafting steps run eagerly (its decode path takes one row a
-sequence).
+reported as ChunkResult.proposed (none after a chunk whose `draft_next` is off: the proposer then only
+keeps its own state; StepResult counts its draft steps run and skipped). With graphs, verify chunks
+replay verify graphs (worker/cuda_graphs.py: 1 + draft_tokens rows a sequence, wave-major, a step's
+plain decodes padded alongside), which also keep the streams an MTP proposer reads; V4.1's drafting
+steps run eagerly (its decode path takes one row a sequence).
 """
 
 from __future__ import annotations
@@ -499,11 +500,19 @@ class ModelRunner:
             for chunk in step.drawing:
                 drawn = [next(tokens) for _ in range(len(chunk.draft_token_ids) + 1)]
                 self._verify(step, chunk, drawn)
-        if self.proposer is not None:
-            step.proposed = self.proposer.propose(self._computed_chunks(step))
+        run, skipped = self._propose(step) if self.proposer is not None else (0, 0)
         results = [self._chunk_result(step, chunk) for chunk in step.plan.chunks]
         self._hint_next_rows(step.plan, results)
-        return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan))
+        return StepResult(chunks=tuple(results), tier_done=self._tier_done(step.plan), draft_steps=run,
+                          skipped_draft_steps=skipped)
+
+    def _propose(self, step: StepContext) -> tuple[int, int]:
+        """The proposer's next drafts (step.proposed) from what the step computed; returns its draft steps
+        (run, skipped): the sampling chunks it drafted after, and those whose `draft_next` was off."""
+        computed = self._computed_chunks(step)
+        step.proposed = self.proposer.propose(computed)
+        drafting = [item.chunk.draft_next for item in computed if item.next_token is not None]
+        return sum(drafting), len(drafting) - sum(drafting)
 
     def _verify(self, step: StepContext, chunk: ScheduledChunk, drawn: list[TokenLogprob | None]) -> None:
         """A chunk's draws at its last token and at each draft: drafts are accepted while each is the token
