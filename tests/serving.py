@@ -83,7 +83,9 @@ def server_process(
     reader = threading.Thread(target=_collect, args=(process.stdout, lines), daemon=True)
     reader.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    # a start imports torch and builds the model: ~10 s alone, but minutes on a 2-core machine whose
+    # other core runs another server or a CPU-bound test, so the deadline only catches a hung start
+    deadline = time.time() + 300
     try:
         while time.time() < deadline:
             if process.poll() is not None:
