@@ -604,26 +604,36 @@ def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
                                      upcasts=("ptx",), splits=(None, (2, 2)), mma_layout=True)
 
 
-def test_mxfp4_scanning_experts_replay_in_a_cuda_graph():
-    """The decode kernels never sync: a captured step replays to the eager result on new routing."""
+@pytest.mark.parametrize("kernel", ["triton", "mma"])
+def test_mxfp4_decode_experts_replay_in_a_cuda_graph(kernel):
+    """The decode kernels never sync: a captured step replays to the eager result on new routing and
+    activations (`mma`: the CuPy-launched CUDA kernel runs on torch's stream)."""
+    from kernels.mma_layout import from_released
     from kernels.moe_mxfp4 import experts_by_expert
     from kernels.quant import MXFP4Experts, quantize_mxfp4
 
+    if kernel == "mma":
+        pytest.importorskip("cupy")
+        from kernels.moe_mxfp4_mma import experts_mma as run_experts
+
+        held = from_released
+    else:
+        run_experts, held = experts_by_expert, MXFP4Experts
     generator = torch.Generator("cuda").manual_seed(5)
-    gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(8, 256, 128, device="cuda", generator=generator) / 11))
-    down = MXFP4Experts(*quantize_mxfp4(torch.randn(8, 128, 128, device="cuda", generator=generator) / 11))
-    x = torch.randn(4, 128, device="cuda", generator=generator).bfloat16()
+    gate_up = held(*quantize_mxfp4(torch.randn(8, 256, 256, device="cuda", generator=generator) / 16))
+    down = held(*quantize_mxfp4(torch.randn(8, 256, 128, device="cuda", generator=generator) / 11))
+    x = torch.randn(4, 256, device="cuda", generator=generator).bfloat16()
     experts = torch.randint(0, 8, (4, 6), device="cuda", generator=generator)
     weights = torch.rand(4, 6, device="cuda", generator=generator)
-    args = lambda: (x, weights, experts, gate_up, down, 0, 7.0, False)  # noqa: E731 - read at replay time
-    experts_by_expert(*args())  # compiled before capture
+    run = lambda: run_experts(x, weights, experts, gate_up, down, 0, 7.0, False)  # noqa: E731 - reads at replay time
+    run()  # compiled (and loaded) before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = experts_by_expert(*args())
+        captured = run()
     experts.copy_(torch.randint(0, 8, (4, 6), device="cuda", generator=generator))
-    x.copy_(torch.randn(4, 128, device="cuda", generator=generator))
+    x.copy_(torch.randn(4, 256, device="cuda", generator=generator))
     graph.replay()
-    assert torch.equal(captured, experts_by_expert(*args()))
+    assert torch.equal(captured, run())
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40, 340])
@@ -652,31 +662,6 @@ def test_mxfp4_mma_experts_compiled_equal_the_reference(tokens):
             for shares in (None, (1, 1), (3, 2)):
                 got = experts_mma(x, weights, experts, *tiled, 2, 1.5, before_down, shares=shares)
                 torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
-
-
-def test_mxfp4_mma_experts_replay_in_a_cuda_graph():
-    """The CuPy-launched kernel runs on torch's stream and never syncs: a captured call replays to the
-    eager result on new routing and activations."""
-    pytest.importorskip("cupy")
-    from kernels.mma_layout import from_released
-    from kernels.moe_mxfp4_mma import experts_mma
-    from kernels.quant import quantize_mxfp4
-
-    generator = torch.Generator("cuda").manual_seed(5)
-    gate_up = from_released(*quantize_mxfp4(torch.randn(8, 256, 256, device="cuda", generator=generator) / 16))
-    down = from_released(*quantize_mxfp4(torch.randn(8, 256, 128, device="cuda", generator=generator) / 11))
-    x = torch.randn(4, 256, device="cuda", generator=generator).bfloat16()
-    experts = torch.randint(0, 8, (4, 6), device="cuda", generator=generator)
-    weights = torch.rand(4, 6, device="cuda", generator=generator)
-    run = lambda: experts_mma(x, weights, experts, gate_up, down, 0, 7.0, False)  # noqa: E731
-    run()  # compiled and loaded before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    experts.copy_(torch.randint(0, 8, (4, 6), device="cuda", generator=generator))
-    x.copy_(torch.randn(4, 256, device="cuda", generator=generator))
-    graph.replay()
-    assert torch.equal(captured, run())
 
 
 def test_mxfp4_gate_up_last_share_sums_are_the_sum_kernels_bits():
