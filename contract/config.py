@@ -149,7 +149,7 @@ class SpeculativeSection(Section):
     forward (worker/runner.py), greedy or by rejection sampling, so the output is the target's either way.
     Methods: mtp (V4's MTP layer, `mtp.*`, chained for K > 1; vLLM's older name deepseek_mtp is taken too),
     ngram (vLLM's prompt lookup: the tokens after the latest earlier match of the longest suffix of
-    prompt_lookup_min..prompt_lookup_max tokens), dspark (V4.1's DSpark draft layers, models/dspark.py: a
+    prompt_lookup_min..prompt_lookup_max tokens), dspark (the DSpark draft layers of V4.1 or V4-Flash-0731, models/dspark.py: a
     block of drafts from taps of the target, in the checkpoint directory `model` names, as vLLM names a
     separate draft model; the release ships them inside the target's, so that may be the target's own)."""
 

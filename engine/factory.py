@@ -173,7 +173,7 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
 
 def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
     """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
-    have; dspark with V4.1's DSpark layers, from a DSpark checkpoint of this model (models/dspark.py)."""
+    have; dspark with a DSpark checkpoint of this model (V4.1's, or V4-Flash-0731's on V4: models/dspark.py)."""
     speculative = config.runtime.speculative_config
     if speculative is None:
         return
@@ -190,13 +190,9 @@ def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
 
 
 def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """The directory `model` names holds a DSpark draft of this model, whose block has room for the drafts."""
+    """The directory `model` names holds a DSpark draft of this model (V4 or V4.1 alike), whose block has
+    room for the drafts."""
     speculative = config.runtime.speculative_config
-    if not model_config.is_v41:
-        raise EngineConfigError(
-            f"runtime.speculative_config (--speculative-config) method dspark: {config.model_dir} is"
-            f" {model_config.model_type}; DSpark drafts are built for DeepSeek-V4.1 (V4-Flash-0731's are not);"
-            " use method mtp or ngram")
     try:
         draft = DSparkConfig.from_file(Path(speculative.model) / "config.json", model_config)
     except ConfigError as exc:

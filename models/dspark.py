@@ -1,4 +1,5 @@
-"""DSpark draft layers for DeepSeek-V4.1 (issue 27): a block of drafts per step from taps of the target.
+"""DSpark draft layers (issue 27): a block of drafts per step from taps of the target, for DeepSeek-V4.1 and
+for a V4 / V4-Flash target (V4-Flash-0731's draft: its differences below the tensor tables).
 
 What DSpark is, from DeepSeek's DeepSpec (`deepspec/modeling/dspark`: the draft model, its mask token,
 target-layer taps, Markov and confidence heads; `deepspec/eval/dspark`: how a block is proposed and cut)
@@ -51,6 +52,13 @@ E draft experts of width I). A checkpoint may use the release's spellings instea
 | markov_head.head.weight [V, r] (stage n - 1)     | markov_head.markov_w2.weight   | markov_head.head.weight   |
 | confidence_head.proj.weight [1, D + r] (.bias)   | confidence_head.proj.weight, .bias | confidence_head.proj.weight |
 
+V4-Flash-0731 spells its layers' tensors as V4.1's release does (without the `_vl` bias), its heads so:
+
+| this project (`mtp.{n - 1}.`)                              | V4-Flash-0731 (`mtp.{n - 1}.`)              |
+| ---------------------------------------------------------- | ------------------------------------------- |
+| hc_head.hc_fn [hc, hc * D], hc_head.hc_base [hc], .hc_scale [1] | hc_head_fn, hc_head_base, hc_head_scale |
+| markov_head.embed.weight, markov_head.head.weight [V, r]   | markov_head.markov_w1.weight, markov_w2.weight |
+
 config.json keys (the release's, in the target's config): num_nextn_predict_layers (the stages; DeepSpec's
 num_draft_layers), dspark_block_size (block_size), dspark_noise_token_id (mask_token_id),
 dspark_target_layer_ids (target_layer_ids), dspark_markov_rank (markov_rank, a "vanilla" head),
@@ -63,6 +71,41 @@ Weights stored FP8 (e4m3 with block scales, config.json's weight_block_size) or 
 are dequantized at load, or with `model.quantization: checkpoint` held as the target holds them
 (models/loader.py): Fp8Linear and packed experts, run by the same kernels. `held_draft` builds that
 form on the meta device and `ring_bytes` the proposer's rings: what `python -m server plan` counts.
+
+V4-Flash-0731's draft (a V4 target; the checkpoint ships it inside, `mtp.0` .. `mtp.2`), as its own
+`inference/model.py` computes it (Hugging Face deepseek-ai/DeepSeek-V4-Flash-0731, revision 7872f01b:
+`Transformer.forward`'s `main_hiddens`, `DSparkBlock(Block)`, `DSparkAttention`, `forward_embed`,
+`forward_head`). DeepSpec has no DeepSeek draft (Qwen3 and Gemma4 only), and that file is not in the
+public code index; it is read here through public code that transcribes or ports it, which agrees on
+every point used: a vLLM DSpark draft module (`DeepSeekV4DSparkDraft` / `DeepSeekV4DSparkLayer` over
+vLLM's DeepseekV4DecoderLayer), Tenstorrent's pure-torch DSpark reference (`DSparkModel`, by its own
+account a port of the checkpoint's inference/model.py DSpark classes), ModelCloud/GPTQModel's V4
+MTP shell (`expected_deepseek_v4_mtp_checkpoint_keys`: transformers' DeepseekV4DecoderLayer stages and
+DeepseekV4HyperHead), bojieli/OpenTallas' tiled transcription of the reference's `Transformer.forward`,
+and a released-layout validator (PrismaQuant: 4,705 `mtp.*` tensors with their dtypes and shapes).
+Where it differs from V4.1's:
+
+    tap[p]   = concat over j of mean_hc(streams LEAVING target layer j, at p): `h = layer(h, ...)` then
+               `main_hiddens.append(h.mean(dim=2))`; Flash taps [40, 41, 42], the last layer's output
+               among them (models/model.py `taps_out`)
+    stages   = V4 layers (`DSparkLayerV4`, models/model.py DecoderLayer's order): each mHC site collapses
+               with its own pre; the attention normalizes each query head (weightless RMS), as V4's does;
+               the MoE is top-k routed on score + gate bias (the stages' layer ids 43-45 pass the 3 hash
+               layers: the checkpoint has `ffn.gate.bias`, no `tid2eid`), the target's 256 experts, top-6
+    h        = hc_head of the last stage's own (pre = sigmoid(scale * (rms(flat streams) @ hc_head_fn) +
+               base) + hc_eps, h = sum over streams of pre * stream: models/hyper.py HyperHead), then
+               that stage's norm and the target's head; h (before the norm) feeds the confidence head
+
+The embedding and the vocabulary head are the target's here too (`embed.weight`, `head.weight`; no `mtp.*`
+copy). Its config.json says num_nextn_predict_layers 1 over the three stages (inference/config.json's
+n_mtp_layers says 3; the 46 compress_ratios of 43 layers list them: `_stage_count`), dspark_block_size 5,
+dspark_noise_token_id 128799, dspark_target_layer_ids [40, 41, 42], dspark_markov_rank 256, no
+dspark_n_routed_experts. Stored: main_proj, the attention projections and the shared expert FP8 e4m3 with
+ue8m0 `.scale` per 128 x 128, the routed experts MXFP4, norms and the Markov and confidence heads BF16,
+mHC, hc_head, sinks and the gate bias F32. The reference's attention rounds each window key's non-rope
+channels to fp8 (e4m3, a power-of-two scale per 64; its target layers' as its stages'); this project's V4
+layers follow transformers' deepseek_v4, which does not round, and so do the V4 stages' keys. The block,
+its positions, the rings, the Markov head and the confidence cut are V4.1's.
 """
 
 from __future__ import annotations
@@ -84,8 +127,8 @@ from kernels.quant import MXFP4_BLOCK, quantize_fp8_blocks, quantize_mxfp4
 from models.attention import add_attention_projections, attention_output
 from models.config import MOE, SLIDING, ConfigError, ModelConfig
 from models.config_v41 import text_config
-from models.hyper import HyperConnection, collapse, merge_streams
-from models.layers import Fp8Linear, RMSNorm, RotaryTable, apply_rope
+from models.hyper import HyperConnection, HyperHead, collapse, merge_streams
+from models.layers import Fp8Linear, RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
 from models.loader import (
     CheckpointError,
     TensorSource,
@@ -133,16 +176,14 @@ class DSparkConfig:
         d = text_config(raw)
         if not d.get("dspark_block_size"):
             raise ConfigError("no dspark_block_size: not a DSpark checkpoint")
-        if not target.is_v41:
-            raise ConfigError(f"DSpark drafts are built for DeepSeek-V4.1; the target is {target.model_type}")
         base = ModelConfig.from_dict(raw)
         differing = [key for key in ("hidden_size", "vocab_size", "hc_mult", "head_dim", "num_heads")
                      if getattr(base, key) != getattr(target, key)]
-        if not base.is_v41:
+        if base.is_v41 != target.is_v41:
             differing.append("model_type")
         if differing:
             raise ConfigError(f"the draft does not fit the target model: its {', '.join(differing)} differ")
-        stages, block = d.get("num_nextn_predict_layers") or 0, int(d["dspark_block_size"])
+        stages, block = _stage_count(d, base), int(d["dspark_block_size"])
         taps = tuple(int(i) for i in d.get("dspark_target_layer_ids") or ())
         if stages < 1 or block < 1:
             raise ConfigError(f"num_nextn_predict_layers {stages} and dspark_block_size {block} must be >= 1")
@@ -152,12 +193,13 @@ class DSparkConfig:
         noise = d.get("dspark_noise_token_id")
         if not isinstance(noise, int) or not 0 <= noise < target.vocab_size:
             raise ConfigError(f"dspark_noise_token_id {noise!r} is not a token id below {target.vocab_size}")
-        ratios = list(d.get("compress_ratios") or [])[base.num_layers: base.num_layers + stages]
-        if any(int(r) for r in ratios):
-            raise ConfigError(f"compress_ratios of the DSpark stages {ratios}: they attend a sliding window (0)")
+        key, listed = _listed_after_layers(d, base)
+        if any(listed[:stages]):
+            raise ConfigError(f"{key} of the DSpark stages {listed[:stages]}: they attend a sliding window (0)")
         layers = replace(
             base, num_layers=stages, layer_types=(SLIDING,) * stages, compress_rates=(0,) * stages,
-            mlp_layer_types=(MOE,) * stages, engram=None, shared_compression=None,
+            mlp_layer_types=(MOE,) * stages, engram=None, shared_compression=None, mtp_layer_types=(),
+            mtp_compress_rates=(),
             n_routed_experts=int(d.get("dspark_n_routed_experts") or base.n_routed_experts),
             num_experts_per_tok=int(d.get("dspark_num_experts_per_tok") or d.get("dspark_n_activated_experts")
                                     or base.num_experts_per_tok),
@@ -165,6 +207,25 @@ class DSparkConfig:
         )
         return cls(stages=stages, block_size=block, noise_token_id=noise, tap_layers=taps,
                    markov_rank=int(d.get("dspark_markov_rank", 256)), layers=layers)
+
+
+def _stage_count(d: dict[str, Any], base: ModelConfig) -> int:
+    """The draft's stages. V4.1: num_nextn_predict_layers. V4-Flash-0731's config.json says
+    num_nextn_predict_layers 1 over three stages; its inference/config.json's n_mtp_layers, or the
+    entries listed after the layers' in compress_ratios (46 for 43 layers), count them."""
+    nextn = d.get("num_nextn_predict_layers") or 0
+    if base.is_v41:
+        return nextn
+    return int(d.get("n_mtp_layers") or max(len(_listed_after_layers(d, base)[1]), nextn))
+
+
+def _listed_after_layers(d: dict[str, Any], base: ModelConfig) -> tuple[str, list[int]]:
+    """(the key, its entries past the layers' as compress ratios): the releases' compress_ratios, or on V4
+    transformers' layer_types (a sliding layer 0, any other kind 1)."""
+    n = base.num_layers
+    if not base.is_v41 and d.get("compress_ratios") is None and d.get("layer_types") is not None:
+        return "layer_types", [0 if kind == SLIDING else 1 for kind in d["layer_types"][n:]]
+    return "compress_ratios", [int(r) for r in (d.get("compress_ratios") or [])[n:]]
 
 
 @dataclass(frozen=True)
@@ -218,27 +279,38 @@ def ring_bytes(config: DSparkConfig, num_slots: int, dtype: torch.dtype) -> int:
     return rings.numel() * rings.element_size()
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DSparkAttention(nn.Module):
-    """A V4.1 sliding-window attention whose keys (= values) are the context's, made from main_x, and the
-    block's own; the block's rows attend both, every row every block row."""
+    """A sliding-window attention (V4.1's, or on a V4 target V4's) whose keys (= values) are the context's,
+    made from main_x, and the block's own; the block's rows attend both, every row every block row. V4's
+    normalizes each query head (weightless RMS, models/attention.py); V4.1's rounds the keys to fp8 with
+    its simulated formats, V4's keys are not rounded (as the V4 layers' are not)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.head_dim, self.tp = config.head_dim, tp
+        self.head_dim, self.tp, self.eps = config.head_dim, tp, config.rms_norm_eps
         self.num_heads = add_attention_projections(self, config, tp)
         self.rope = RotaryTable(config.main_rope)  # window-only: the plain rope, no YaRN
-        self.quantize_kv = fake_quant_fp8_ue8m0 if config.simulate_quantization else (lambda x: x)
+        v41 = config.is_v41
+        self.quantize_kv = fake_quant_fp8_ue8m0 if v41 and config.simulate_quantization else _unchanged
+        self.normalize_q = _unchanged if v41 else self._query_heads_normalized
+
+    def _query_heads_normalized(self, q: torch.Tensor) -> torch.Tensor:
+        return unweighted_rms_norm(q, self.eps)
 
     def context_keys(self, main: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[R, D] projected taps at `positions` -> their keys [R, head_dim], roped and fp8-rounded."""
+        """[R, D] projected taps at `positions` -> their keys [R, head_dim], roped (and on V4.1 fp8-rounded)."""
         cos, sin = self.rope(positions)
         return self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(main)), cos, sin))
 
     def forward(self, x: torch.Tensor, batch: BlockBatch, ring: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope(batch.positions)
         n, block = batch.slots.shape[0], batch.block
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(n, block, self.num_heads, self.head_dim)
-        q = apply_rope(q.flatten(0, 1), cos, sin).view(n, block, self.num_heads, self.head_dim)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(n * block, self.num_heads, self.head_dim)
+        q = apply_rope(self.normalize_q(q), cos, sin).view(n, block, self.num_heads, self.head_dim)
         own = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)).view(n, block, -1)
         context, valid = batch.context(ring)
         keys = torch.cat([context.to(own.dtype), own], dim=1).float()
@@ -274,6 +346,23 @@ class DSparkLayer(nn.Module):
         return merge_streams(streams, post, comb, out), ffn_pre
 
 
+class DSparkLayerV4(DSparkLayer):
+    """A stage's V4 layer (V4-Flash-0731's draft): the same modules, in models/model.py DecoderLayer's
+    order, each mHC site collapsing with its own pre, around DSpark attention and the draft MoE (top-k
+    routed: the stages continue the layer ids past the hash layers, and the release gives them a gate
+    bias, no tid2eid)."""
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor | None, batch: BlockBatch, ring: torch.Tensor
+                ) -> tuple[torch.Tensor, None]:
+        """(streams [T, hc, D], unused) -> (streams, None): a V4 layer hands no pre to the next."""
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), batch, ring)
+        streams = merge_streams(streams, post, comb, out)
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        return merge_streams(streams, post, comb, out), None
+
+
 class MarkovHead(nn.Module):
     """Low-rank bigram logits: head(embed(previous token)), float32 (the release keeps its head so)."""
 
@@ -303,12 +392,14 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkStage(nn.Module):
-    """Stage `index`: its layer (`block`), and the first stage's tap projection or the last's heads."""
+    """Stage `index`: its layer (`block`: V4.1's, or V4's for a V4 target), and the first stage's tap
+    projection or the last's heads (on V4 with its own hc_head)."""
 
     def __init__(self, config: DSparkConfig, index: int, tp: TensorParallel, confidence_bias: bool) -> None:
         super().__init__()
         c = config.layers
-        self.block = DSparkLayer(c, index, tp)
+        self.block = (DSparkLayer if c.is_v41 else DSparkLayerV4)(c, index, tp)
+        self.hc_head = None
         if index == 0:
             self.main_proj = nn.Linear(len(config.tap_layers) * c.hidden_size, c.hidden_size, bias=False)
             self.main_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -316,6 +407,13 @@ class DSparkStage(nn.Module):
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.markov_head = MarkovHead(c.vocab_size, config.markov_rank)
             self.confidence_head = ConfidenceHead(c.hidden_size + config.markov_rank, confidence_bias)
+            if not c.is_v41:
+                self.hc_head = HyperHead(c)
+
+    def collapse(self, streams: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's streams [T, hc, D] -> [T, D]: V4's hc_head, or V4.1's collapse by the last ffn
+        pre (V4.1 has no hc_head)."""
+        return collapse(pre, streams) if self.hc_head is None else self.hc_head(streams)
 
 
 @dataclass(frozen=True)
@@ -360,7 +458,7 @@ class DSparkDraft(nn.Module):
             streams, pre = stage.block(streams, pre, batch, rings[index])
         last = self.mtp[-1]
         n, block = batch.slots.shape[0], batch.block
-        hidden = collapse(pre, streams)
+        hidden = last.collapse(streams, pre)
         base = head(last.norm(hidden)).float().view(n, block, -1)
         previous = batch.token_ids.view(n, block)[:, 0]
         tokens, logits, embedded = [], [], []
@@ -376,16 +474,24 @@ class DSparkDraft(nn.Module):
 
 # -- loading -------------------------------------------------------------------------------------------
 _STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
-_OWN = ("main_proj.", "main_norm.", "norm.", "markov_head.", "confidence_head.", "block.")
+_OWN = ("main_proj.", "main_norm.", "norm.", "markov_head.", "confidence_head.", "hc_head.", "block.")
 _EXPERT_PART = re.compile(r"^(mtp\.\d+\.block\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_OWN_RENAMES = [  # V4-Flash-0731's (and DeepSpec's) spellings of the heads' tensors
+    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
+    (re.compile(r"^markov_head\.markov_w1\."), "markov_head.embed."),
+    (re.compile(r"^markov_head\.markov_w2\."), "markov_head.head."),
+]
 
 
 def draft_module_name(stored: str) -> str:
-    """A stored `mtp.{i}.*` name -> this module's: its own names as they are; the release's layer names
-    (`attn.wq_a`, `ffn.experts.3.w1`, `hc_attn_fn`, ...) renamed as a layer's are, under `block.`."""
+    """A stored `mtp.{i}.*` name -> this module's: its own names as they are (V4-Flash-0731's hc_head_fn
+    and markov_w1 / markov_w2 renamed); the release's layer names (`attn.wq_a`, `ffn.experts.3.w1`,
+    `hc_attn_fn`, ...) renamed as a layer's are, under `block.`."""
     index, rest = _STAGE.match(stored).groups()
+    for pattern, replacement in _OWN_RENAMES:
+        rest = pattern.sub(replacement, rest)
     if rest.startswith(_OWN):
-        return stored
+        return f"mtp.{index}.{rest}"
     renamed = module_name(f"layers.{index}.{rest}").removeprefix(f"model.layers.{index}.")
     renamed = re.sub(r"\.gate\.bias_vl$", ".gate.e_score_correction_bias_vl", renamed)
     return f"mtp.{index}.block.{renamed}"
@@ -526,26 +632,39 @@ def attach_dspark(model: nn.Module, directory: str | Path, tp: TensorParallel = 
 
 # -- the tiny test draft -------------------------------------------------------------------------------
 def tiny_dspark_keys(target: ModelConfig, **overrides: Any) -> dict[str, Any]:
-    """The dspark keys of a tiny draft for `target` (the release's shape: 3 stages, a block of 5, the
-    last three layers tapped, fewer draft experts than the target's, top-3); overrides replace keys."""
+    """The dspark keys of a tiny draft for `target` (the releases' shape: 3 stages, a block of 5, the
+    last three layers tapped; for V4.1 fewer draft experts than the target's, top-3, for V4 the target's
+    as V4-Flash-0731's); overrides replace keys. num_nextn_predict_layers counts the stages here."""
     keys = {
         "num_nextn_predict_layers": 3,
         "dspark_block_size": 5,
         "dspark_noise_token_id": target.vocab_size - 1,
         "dspark_target_layer_ids": list(range(max(0, target.num_layers - 3), target.num_layers)),
         "dspark_markov_rank": 32,
-        "dspark_n_routed_experts": 4,
-        "dspark_num_experts_per_tok": 3,
     }
+    if target.is_v41:
+        keys.update(dspark_n_routed_experts=4, dspark_num_experts_per_tok=3)
     keys.update(overrides)
     return keys
 
 
+def _list_stages(raw: dict[str, Any], target: ModelConfig, stages: int) -> None:
+    """Lists the stages as sliding layers after the target's, in the key its config.json spells the layers
+    with; on V4 with num_nextn_predict_layers 1, as V4-Flash-0731's config.json does."""
+    if not target.is_v41 and raw.get("compress_ratios") is None and raw.get("layer_types") is not None:
+        raw["layer_types"] = list(target.layer_types) + [SLIDING] * stages
+    else:
+        raw["compress_ratios"] = list(target.compress_rates) + [0] * stages
+    if not target.is_v41:
+        raw["num_nextn_predict_layers"] = 1
+
+
 def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, fp8: int | None = None,
                       **overrides: Any) -> Path:
-    """Writes a DSpark draft for the checkpoint in `target_dir` into `out`: its config.json with the dspark
-    keys (`tiny_dspark_keys`, `overrides` replacing them) and the stages' ratios appended, and seeded
-    random `mtp.*` weights (models/random_model.py's rule) in model.safetensors. With `fp8` (a block
+    """Writes a DSpark draft for the checkpoint in `target_dir` (V4.1, or V4 as V4-Flash-0731's) into
+    `out`: its config.json with the dspark keys (`tiny_dspark_keys`, `overrides` replacing them) and the
+    stages listed after the layers (`_list_stages`), and seeded random `mtp.*` weights
+    (models/random_model.py's rule, this project's names) in model.safetensors. With `fp8` (a block
     side), in the release's formats (`stored_as_released`) with config.json's quantization_config."""
     from models.random_model import random_tensor
 
@@ -554,8 +673,7 @@ def build_tiny_dspark(out: str | Path, target_dir: str | Path, seed: int = 0, fp
     raw = json.loads((target_dir / "config.json").read_text())
     target = ModelConfig.from_dict(raw)
     raw.update(tiny_dspark_keys(target, **overrides))
-    stages = raw["num_nextn_predict_layers"]
-    raw["compress_ratios"] = list(target.compress_rates) + [0] * stages
+    _list_stages(raw, target, raw["num_nextn_predict_layers"])
     config = DSparkConfig.from_dict(raw, target)
     with torch.device("meta"):
         draft = DSparkDraft(config, nn.Identity(), nn.Identity())

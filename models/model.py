@@ -66,16 +66,21 @@ class DeepseekV4(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache, out: torch.Tensor | None = None,
-                streams_out: torch.Tensor | None = None) -> torch.Tensor:
+                streams_out: torch.Tensor | None = None, taps_out: dict[int, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
         (written into `out` when the caller owns the buffer). `streams_out` [T, hc_mult, hidden]: receives
-        every row's residual streams after the last layer (what the MTP layers read, models/mtp.py)."""
+        every row's residual streams after the last layer (what the MTP layers read, models/mtp.py).
+        `taps_out`: layer -> [T, hidden] buffer receiving every row's mean stream leaving that layer
+        (V4-Flash-0731's DSpark taps, models/dspark.py: V4 taps a layer's output, V4.1 its input)."""
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         self._check(batch, cache)
         streams = self._streams(batch.token_ids)
         with rope_step():  # the layers of one rope kind share its cos / sin
             for index, layer in enumerate(self.model.layers):
                 streams = layer(streams, batch, cache, index)
+                if taps_out and index in taps_out:
+                    taps_out[index].copy_(streams.mean(dim=1))
         if streams_out is not None:
             streams_out.copy_(streams)
         hidden = self.model.norm(self.model.hc_head(streams[batch.logits_rows]))

@@ -225,10 +225,11 @@ def reference_block(w, target_w, raw, taps, first_token):
     return drafts, torch.stack(logits), (features @ w[last + "confidence_head.proj.weight"].T)[:, 0]
 
 
-def test_the_draft_forward_is_dsparks_math(dirs):
+def check_draft_forward(dirs, reference) -> None:
     """Two sequences at once (21 context rows, more than the 16-row window, in slot 2; 7 in slot 0) on
-    random taps: the same greedy drafts, logits and confidence logits as the plain statement, within
-    1e-4 of the logits' scale (float32: only the order of sums differs)."""
+    random taps: the same greedy drafts, logits and confidence logits as `reference(draft weights,
+    target weights, draft config, taps, token)`, the plain statement, within 1e-4 of their largest
+    magnitude (float32: only the order of sums differs)."""
     target, draft_dir = dirs
     draft = with_draft(dirs).dspark
     raw = json.loads((draft_dir / "config.json").read_text())
@@ -239,14 +240,17 @@ def test_the_draft_forward_is_dsparks_math(dirs):
     for slot, rows in ((2, taps[0]), (0, taps[1])):
         seen = torch.arange(max(0, len(rows) - 16), len(rows))
         draft.write_context(rows[seen], seen, torch.full_like(seen, slot), rings)
-    batch = BlockBatch.build([(2, 17, 20, 0), (0, 33, 6, 0)], 5, 511, "cpu")
-    got = draft.draft(batch, rings)
+    got = draft.draft(BlockBatch.build([(2, 17, 20, 0), (0, 33, 6, 0)], 5, 511, "cpu"), rings)
     for n, (rows, token) in enumerate(((taps[0], 17), (taps[1], 33))):
-        drafts, logits, confidence = reference_block(w, target_w, raw, rows, token)
-        scale = logits.abs().max()
+        drafts, logits, confidence = reference(w, target_w, raw, rows, token)
         assert got.tokens[n].tolist() == drafts
-        assert (got.logits[n] - logits).abs().max() <= 1e-4 * scale
+        assert (got.logits[n] - logits).abs().max() <= 1e-4 * logits.abs().max()
         assert (got.confidence[n] - confidence).abs().max() <= 1e-4 * confidence.abs().max()
+
+
+def test_the_draft_forward_is_dsparks_math(dirs):
+    """V4.1's draft against the plain statement of DSpark's math (`reference_block`)."""
+    check_draft_forward(dirs, reference_block)
 
 
 # -- the proposer through a runner ----------------------------------------------------------------------
@@ -435,9 +439,9 @@ def test_the_engine_refuses_a_draft_that_is_not_a_dspark_checkpoint_of_its_model
             check_speculative(config_of({"method": "dspark", "num_speculative_tokens": k, "model": str(model)}, target),
                               model_config)
         assert "--speculative-config" in str(error.value) and named in str(error.value), str(error.value)
-    with pytest.raises(EngineConfigError, match="built for DeepSeek-V4.1"):  # V4-Flash-0731's DSpark is not
+    with pytest.raises(EngineConfigError, match="model_type differ"):  # V4.1's draft on a V4 target
         check_speculative(config_of({"method": "dspark", "num_speculative_tokens": 3, "model": str(draft_dir)}),
-                          ModelConfig.from_dict(tiny_config_dict()))
+                          ModelConfig.from_dict(tiny_config_dict(hidden_size=64, num_attention_heads=4, head_dim=64)))
 
 
 def test_serve_refuses_a_dspark_model_that_is_not_a_draft_naming_the_flag(dirs):

@@ -241,7 +241,7 @@ def test_a_draft_the_plan_cannot_hold_is_a_config_error_naming_the_key(dirs, tmp
         (drafts[None], 6, (), "runtime.speculative_config.num_speculative_tokens"),  # a block of 5
         (target, 3, (), "dspark_block_size"),  # the target alone holds no draft
         (tmp_path / "nowhere", 3, (), "cannot read the draft config"),
-        (drafts[None], 3, ("--model-config", str(v4_json)), "built for DeepSeek-V4.1"),
+        (drafts[None], 3, ("--model-config", str(v4_json)), "model_type differ"),  # V4.1's draft, a V4 target
     ):
         value = json.dumps({"method": "dspark", "num_speculative_tokens": k, "model": str(model)})
         status, _, err = plan_main(capsys, "--set", f"model.path={target}", "--set",

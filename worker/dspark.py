@@ -1,17 +1,19 @@
-"""The "dspark" draft proposer (issue 27): DSpark's draft layers (models/dspark.py) over the target's taps.
+"""The "dspark" draft proposer (issue 27): DSpark's draft layers (models/dspark.py) over the target's taps,
+on V4.1 and on V4 (V4-Flash-0731's draft) alike.
 
 After each step the runner hands over every computed chunk with the target's taps at its forwarded rows
-(`ComputedChunk.taps`: the mean stream entering each of the draft's tap layers, which the runner keeps
-because `tap_layers` names them). For every chunk the rows that stand (a prompt chunk's, a verify chunk's
-own token and accepted drafts) become context: main_proj of their taps, then each stage's context key
-at their position in that stage's ring (only a chunk's last `sliding_window` rows: the ring holds no
-more). Rejected rows are never written, so nothing rolls back. A sampling chunk then drafts: a block of
-[drawn token, noise ...] after its last kept row through the stages, all sequences of the step in one
-batch, and its first K Markov-corrected greedy drafts, cut before the first position the confidence
-head scores below `confidence_threshold` (DeepSpec's early stop; 0 keeps them all). A sampling chunk
-whose `draft_next` is off (the draft policy has its next chunk verify none) only writes its context: the
-rings are all the state a block reads, so the stages, the heads and the read of the drafts to the host
-are skipped, and drafting resumes at any step from rings exactly as drafting would have left them.
+(`ComputedChunk.taps`: the mean stream entering each of the draft's tap layers on V4.1, leaving it on V4,
+which the runner keeps because `tap_layers` names them). For every chunk the rows that stand (a prompt
+chunk's, a verify chunk's own token and accepted drafts) become context: main_proj of their taps, then
+each stage's context key at their position in that stage's ring (only a chunk's last `sliding_window`
+rows: the ring holds no more). Rejected rows are never written, so nothing rolls back. A sampling chunk
+then drafts: a block of [drawn token, noise ...] after its last kept row through the stages, all
+sequences of the step in one batch, and its first K Markov-corrected greedy drafts, cut before the first
+position the confidence head scores below `confidence_threshold` (DeepSpec's early stop; 0 keeps them
+all). A sampling chunk whose `draft_next` is off (the draft policy has its next chunk verify none) only
+writes its context: the rings are all the state a block reads, so the stages, the heads and the read of
+the drafts to the host are skipped, and drafting resumes at any step from rings exactly as drafting
+would have left them.
 Writing the context (main_proj and a key projection per stage over the rows that stand) is the small
 part (~10% of a drafting step's proposer time: tiny V4.1, CPU, K = 4, one sequence); deferring it to a
 catch-up when drafting resumes would keep each slot's last window of taps and move the work onto the

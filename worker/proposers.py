@@ -16,8 +16,9 @@ any draft safe: a proposer changes how many tokens a step yields, never which.
   verifies exactly). A prompt chunk's last row waits for the next chunk's first token (`_waiting`).
   After a sampling chunk whose `draft_next` is off (the draft policy has its next chunk verify none) the
   rows still go through the layer, no logits row, no chain, no read to the host: see MTPProposer.
-- `DSparkProposer` ("dspark", V4.1; worker/dspark.py): DSpark's draft layers (models/dspark.py), a block
-  of drafts a step from the target's taps (the streams entering `tap_layers`) and the drawn token.
+- `DSparkProposer` ("dspark", V4.1 and V4-Flash-0731; worker/dspark.py): DSpark's draft layers
+  (models/dspark.py), a block of drafts a step from the target's taps (the mean stream entering V4.1's
+  `tap_layers`, leaving V4's) and the drawn token.
 - `NgramProposer` ("ngram", any model; vLLM's prompt lookup): the longest suffix of the sequence, of
   `min_n` to `max_n` tokens, that occurred before; the tokens after its latest earlier occurrence.
 """

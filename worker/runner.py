@@ -431,7 +431,7 @@ class ModelRunner:
             kept["streams_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, config.hidden_size,
                                               dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
         taps = None
-        if self._keeps_taps:  # a DSpark proposer's (V4.1)
+        if self._keeps_taps:  # a DSpark proposer's
             layers = self.proposer.tap_layers
             taps = torch.empty(batch.token_ids.shape[0], len(layers), self.model.config.hidden_size,
                                dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
