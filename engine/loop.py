@@ -293,8 +293,10 @@ class EngineCore:
         chunks, errors = list(plan.chunks), {}
         for i, chunk in enumerate(chunks):
             if chunk.sample and self.structured.constrained(chunk.request_id):
+                # a bitmask constrains the first draw only: the scheduler gives a constrained request no drafts
+                # (scheduler/request.py takes_drafts); stripped here too, so a scheduler slip can only cost
+                # speed, never let an unconstrained draft through or stop the loop
                 try:
-                    # a bitmask constrains the first draw only: the drafts after it are not verified under the grammar
                     chunks[i] = dataclasses.replace(chunk, token_bitmask=self.structured.bitmask(chunk.request_id),
                                                     draft_token_ids=())
                 except Exception as exc:  # GrammarError, or a compile that failed otherwise

@@ -87,5 +87,15 @@ class Request:
         return params.penalizes_output or params.structured is not None or params.prompt_logprobs is not None
 
     @property
+    def takes_drafts(self) -> bool:
+        """Whether its next chunk may verify drafts, the draws in flight counted as landed: not under a
+        grammar (its bitmask constrains a chunk's first draw only: engine/structured_outputs.py), nor while
+        min_tokens holds eos back (the sampler bans it at a chunk's first draw, not at the positions after
+        its drafts). Exact for the chunk after those in flight: a chunk carrying drafts was past min_tokens
+        already, and the drafts it accepts only keep it past."""
+        params = self.params
+        return params.structured is None and len(self.output_token_ids) + self.draws_in_flight >= params.min_tokens
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < len(self.message.prompt_token_ids)

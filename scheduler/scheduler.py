@@ -217,6 +217,7 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= len(chunks[-1].token_ids)
         self.last_step_tokens = self.limits.max_num_batched_tokens - budget
+        self._decide_drafting(chunks)
         self.blocks.close(COPY_SOURCES)
         tiers = self.tiers
         plan = StepPlan(chunks=tuple(chunks), saves=self._take_saves(), restores=tuple(restores),
@@ -247,29 +248,33 @@ class Scheduler:
         """The proposed drafts the request's next chunk verifies: only a decode chunk's (its one token the
         last known one), cut so that every draft accepted and the token drawn after them still fit the
         step's token budget, max_tokens and max_model_len (its pages are reserved with the chunk's).
-        None while min_tokens holds eos back (the ban is the first draw's, not the later positions')."""
+        None for a request that cannot take drafts now (`Request.takes_drafts`: a grammar, min_tokens)."""
         drafts = request.drafts
         if not drafts or length != 1 or request.chunks_in_flight or request.num_computed_tokens + 1 != request.num_tokens:
             return ()
-        params = request.params
-        if len(request.output_token_ids) < params.min_tokens:
+        if not request.takes_drafts:
             return ()
+        params = request.params
         room = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
                    self.limits.max_model_len - request.num_tokens - 1)
         if self.spec_policy is not None:
             room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts), request.probing))
         return drafts[: max(room, 0)]
 
-    def _draft_next(self, request: Request) -> bool:
-        """Whether the proposer drafts after the request's sampling chunk being launched: the policy
-        decides now whether the next chunk may verify drafts (scheduler/spec_policy.py drafting_next), so
-        that while it verifies none the proposer skips its drafting work; a probe is remembered for
-        `_drafts`. Without a policy (fixed K) always."""
-        if self.spec_policy is None:
-            return True
+    def _decide_drafting(self, chunks: list[ScheduledChunk]) -> None:
+        """Whether the proposer drafts after the step's sampling chunks, decided once for the whole step:
+        `_launch` left draft_next on for those whose next chunk can take drafts (`Request.takes_drafts`),
+        and the policy (scheduler/spec_policy.py drafting_next, for the step's batch) answers for all of
+        them at once, so that a probe is a whole step and the other steps skip the proposer's launch-bound
+        drafting entirely; a probe is remembered for `_drafts`. Without a policy (fixed K) they draft."""
+        asking = [index for index, chunk in enumerate(chunks) if chunk.sample and chunk.draft_next]
+        if self.spec_policy is None or not asking:
+            return
         drafting = self.spec_policy.drafting_next(len(self.running))
-        request.probing = drafting is Drafting.PROBE
-        return drafting is not Drafting.OFF
+        for index in asking:
+            self.launched[chunks[index].request_id].probing = drafting is Drafting.PROBE
+            if drafting is Drafting.OFF:
+                chunks[index] = dataclasses.replace(chunks[index], draft_next=False)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step that forwarded `rows` tokens took `seconds` from launch to landing (serial steps:
@@ -288,7 +293,8 @@ class Scheduler:
         if chunk.sample:
             request.draws_in_flight += 1
             request.logits_position = request.num_computed_tokens
-            chunk = dataclasses.replace(chunk, draft_next=self._draft_next(request))
+            request.probing = False  # until `_decide_drafting` makes the step a probe
+            chunk = dataclasses.replace(chunk, draft_next=request.takes_drafts)
         if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
             pointed.append(request)
         return chunk

@@ -11,15 +11,22 @@ two things this module measures online instead of assuming:
   launch-bound (per_row ~ 0: extra rows are nearly free), large ones compute-bound (each row costs).
 Each step takes the k (0 .. the drafts proposed) with the most expected tokens per second for its
 decode batch. Until both are measured (the first steps) it verifies every draft proposed, as vLLM's
-fixed num_speculative_tokens does. While k is 0 every PROBE_EVERY-th step still verifies one draft,
-(one sampling chunk in that many, counted per chunk), so acceptance keeps being measured and drafting
-comes back when the batch shrinks or drafts improve.
+fixed num_speculative_tokens does. While k is 0 every PROBE_EVERY-th step is still a probe: each of its
+sequences verifies one draft in the step after it, so acceptance keeps being measured and drafting comes
+back when the batch shrinks or drafts improve.
 Users reported DSpark costing throughput at saturation on vLLM; this is the guard against that.
 
 The drafts a chunk verifies are proposed as the step before it lands, so whether they will be wanted is
-decided a step ahead, as that step's sampling chunk is launched (`drafting_next`): while drafting does
-not pay and no probe is due, the proposer skips its drafting work after the chunk (it only keeps its
-state: worker/proposers.py), which is what lets plain decoding recover the proposer's own cost.
+decided a step ahead, once per step as its sampling chunks are launched (`drafting_next`): while drafting
+does not pay and no probe is due, the proposer skips its drafting work after the step (it only keeps its
+state: worker/proposers.py), which is what lets plain decoding recover the proposer's own cost. Probes
+come as whole steps, not as one sampling chunk in PROBE_EVERY: the proposer's drafting work (chained draft
+steps, the host read of the drafts) is launch-bound, costing a step nearly as much for a few rows as for
+all, so at a batch of PROBE_EVERY or more chunk-wise probes would have it run nearly every step, for one
+or two rows, and keep most of the cost the policy turned drafting off to save. Each sequence still probes
+once in PROBE_EVERY steps. A sampling chunk whose next chunk cannot verify drafts anyway (a grammar, or
+min_tokens still holding eos back: the scheduler's `Request.takes_drafts`) does not ask, is never a
+probe, and a step of only such chunks does not count toward the schedule.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-PROBE_EVERY = 16  # while drafting does not pay, one decode chunk in this many still verifies a draft
+PROBE_EVERY = 16  # while drafting does not pay, one step in this many still probes (verifies a draft)
 MIN_STEPS = 8  # steps observed before the cost fit is trusted
 DECAY = 0.98  # weight of the older steps in the cost fit, per new step (~50 steps remembered)
 
@@ -66,9 +73,9 @@ class StepCost:
 class Drafting(enum.Enum):
     """What the policy wants of the proposer after a sampling chunk (`SpeculationPolicy.drafting_next`)."""
 
-    ON = "on"  # drafting pays, or is not measured yet: the next chunk verifies `draft_count` drafts
-    PROBE = "probe"  # it does not, but the chunk is a probe: the next chunk verifies one draft
-    OFF = "off"  # it does not: the next chunk verifies none, so the proposer only keeps its state
+    ON = "on"  # drafting pays, or is not measured yet: the next chunks verify `draft_count` drafts
+    PROBE = "probe"  # it does not, but the step is a probe: each next chunk verifies one draft
+    OFF = "off"  # it does not: the next chunks verify none, so the proposer only keeps its state
 
 
 @dataclass
@@ -78,7 +85,7 @@ class SpeculationPolicy:
     cost: StepCost
     reached: list[int]  # per draft position: verify chunks whose drafts before it were all accepted
     passed: list[int]  # of those, the chunks that accepted the draft at it too
-    calls: int = 0  # sampling chunks launched while drafting did not pay (the probe schedule's count)
+    steps: int = 0  # steps asked while drafting did not pay (the probe schedule's count)
 
     @classmethod
     def fresh(cls) -> SpeculationPolicy:
@@ -115,21 +122,22 @@ class SpeculationPolicy:
         return total
 
     def drafting_next(self, batch: int) -> Drafting:
-        """Whether the proposer drafts after a sampling chunk launched now into a `batch`-sequence step, and
-        whether as a probe: asked once per sampling chunk, before the step runs (its drafts are proposed as
-        it lands). Drafting pays for some k exactly when it pays for k = 1 (each further draft gains no
-        more than the one before it, at the same cost a row: see `_best`), so the proposer's K need not be
-        known. Where it does not pay, the chunk counts toward the probe schedule: every PROBE_EVERY-th
-        such chunk is a probe."""
+        """Whether the proposer drafts after the sampling chunks of a `batch`-sequence step launched now,
+        and whether as a probe: asked once per step that has sampling chunks able to take drafts, before
+        it runs (its drafts are proposed as it lands), and the answer holds for all of those chunks.
+        Drafting pays for some k exactly when it pays for k = 1 (each further draft gains no more than
+        the one before it, at the same cost a row: see `_best`), so the proposer's K need not be known.
+        Where it does not pay, the step counts toward the probe schedule: every PROBE_EVERY-th such step
+        is a probe (whole steps: see the module docstring)."""
         best = self._best(batch, 1)
         if best is None or best > 0:
             return Drafting.ON
-        self.calls += 1
-        return Drafting.PROBE if self.calls % PROBE_EVERY == 0 else Drafting.OFF
+        self.steps += 1
+        return Drafting.PROBE if self.steps % PROBE_EVERY == 0 else Drafting.OFF
 
     def draft_count(self, batch: int, proposed: int, probe: bool = False) -> int:
         """Drafts (0 .. `proposed`) a sequence of a `batch`-sequence decode step verifies now; `probe`: they
-        were proposed for a probe (`drafting_next`), which verifies one where drafting does not pay."""
+        were proposed for a probe step (`drafting_next`), which verifies one where drafting does not pay."""
         if proposed <= 0:
             return 0
         best = self._best(batch, proposed)

@@ -329,8 +329,9 @@ def engine_figures(prefix: str, stats: EngineStats) -> list[Figure]:
             (gauge, "kv_pages_total", "KV pages in the pool.", stats.pages_total),
             (counter, "spec_decode_num_draft_steps", "Draft steps the spec decoding proposer ran (one per sampling "
              "chunk it drafted after).", stats.spec.draft_steps),
-            (counter, "spec_decode_num_skipped_draft_steps", "Draft steps the proposer skipped while the draft "
-             "policy verified no drafts (it kept its state only).", stats.spec.skipped_draft_steps),
+            (counter, "spec_decode_num_skipped_draft_steps", "Draft steps the proposer skipped (it kept its state "
+             "only): while the draft policy verified no drafts, or for a request that cannot take them "
+             "(a grammar, min_tokens not reached).", stats.spec.skipped_draft_steps),
         ]
     else:  # vLLM's name before 0.9, still read by older dashboards
         figures.append((gauge, "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", kv_usage(stats)))

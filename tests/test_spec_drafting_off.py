@@ -1,13 +1,16 @@
-"""Drafting off while the draft policy verifies none (issue 27, item 5): the policy decides as a sampling
-chunk is launched whether its next chunk may verify drafts (scheduler/spec_policy.py drafting_next, the
-probe schedule included), the chunk carries that as `draft_next`, and after a chunk without it the MTP
-and DSpark proposers skip their drafting (chained steps, block, host read) but keep their own state
-exact. Driven through the scheduler and a real runner (tiny V4 with its MTP layer, tiny V4.1 with a
+"""Drafting off while the draft policy verifies none (issue 27, item 5): the policy decides once per step,
+as its sampling chunks are launched, whether their next chunks may verify drafts (scheduler/spec_policy.py
+drafting_next, the probe schedule included: every PROBE_EVERY-th step while drafting does not pay, all its
+chunks at once), each chunk carries that as `draft_next`, and after a chunk without it the MTP and DSpark
+proposers skip their drafting (chained steps, block, host read) but keep their own state exact. A request
+whose next chunk cannot take drafts (under min_tokens; a grammar: tests/test_spec_engine.py) never asks and
+never probes. Driven through the scheduler and a real runner (tiny V4 with its MTP layer, tiny V4.1 with a
 DSpark draft, CPU, deterministic mode) with the policy's step cost fixed by phase: greedy output is plain
-greedy's bitwise through drafting on, off (with probes) and on again; every draft proposed equals the
-draft model run afresh over the whole sequence, after the off phase too; nothing is proposed after a
-chunk without `draft_next`; a probe's next chunk verifies one draft; and the proposer's draft steps,
-run and skipped, reach the engine's counters and /metrics."""
+greedy's bitwise through drafting on, off (with probe steps) and on again, a request under min_tokens
+beside; every draft proposed equals the draft model run afresh over the whole sequence, after the off
+phase too; nothing is proposed after a chunk without `draft_next`; a probe's next chunk verifies one
+draft; at a batch of 8 exactly one step in PROBE_EVERY probes, with all its chunks; and the proposer's
+draft steps, run and skipped, reach the engine's counters and /metrics."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from contract import (
     SamplingParams,
     SpecDecodeCounts,
     StepResult,
+    StructuredOutput,
     TokenLogprob,
 )
 from models.random_model import build_random_model
@@ -70,24 +74,24 @@ def fixed_policy() -> SpeculationPolicy:
 def test_drafting_next_says_on_exactly_where_some_draft_count_pays(accepted, fixed_s, per_row_s):
     """Without knowing K, drafting_next answers whether draft_count would verify any of K = 3 drafts,
     at every batch size (policies that draft at small batches and not at large ones among them); only
-    the chunks where it would not count toward the next probe."""
+    the steps where it would not count toward the next probe."""
     policy = policy_after(fixed_s, per_row_s, carried=3, accepted=accepted)
     for batch in (1, 2, 4, 8, 16, 32, 64, 256):
         pays = policy.draft_count(batch, proposed=3) > 0
-        calls = policy.calls
+        steps = policy.steps
         wish = policy.drafting_next(batch)
         assert (wish is Drafting.ON) == pays, (batch, wish)
-        assert policy.calls == calls + (not pays)  # only chunks that do not pay count toward a probe
+        assert policy.steps == steps + (not pays)  # only steps that do not pay count toward a probe
     unmeasured = SpeculationPolicy.fresh()
     assert unmeasured.drafting_next(64) is Drafting.ON and unmeasured.draft_count(64, 3) == 3
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------
 def test_the_scheduler_wants_drafts_a_step_ahead_and_verifies_one_after_a_probe():
-    """Pure scheduler, results written by hand (drafts proposed only where a chunk asked for them): while
-    drafting does not pay each decode chunk asks for none, except every PROBE_EVERY-th, whose next chunk
-    verifies one draft; once drafting pays again every chunk asks and the next verifies all; the draft
-    steps a result reports are counted."""
+    """Pure scheduler, one request, results written by hand (drafts proposed only where a chunk asked for
+    them): while drafting does not pay each decode chunk asks for none, except every PROBE_EVERY-th
+    step's, whose next chunk verifies one draft; once drafting pays again every chunk asks and the next
+    verifies all; the draft steps a result reports are counted."""
     scheduler = Scheduler(EngineLimits(2, 32, 512, 64, eos_token_ids=(1,)))
     scheduler.spec_policy = policy = fixed_policy()
     policy.cost.known = COSTLY
@@ -114,6 +118,36 @@ def test_the_scheduler_wants_drafts_a_step_ahead_and_verifies_one_after_a_probe(
     assert (counts.draft_steps, counts.skipped_draft_steps) == (3 + 3, switch - 3)
 
 
+def test_requests_that_cannot_take_drafts_never_ask_nor_count_toward_a_probe():
+    """Pure scheduler, drafting never paying: a grammar-constrained request and one under min_tokens ask
+    for no drafts, and steps of only them do not count toward the probe schedule; once a free request
+    joins, its first probe step is its PROBE_EVERY-th, and in it the other two still do not ask."""
+    scheduler = Scheduler(EngineLimits(3, 64, 512, 64, eos_token_ids=(1,)))
+    scheduler.spec_policy = policy = fixed_policy()
+    policy.cost.known = COSTLY
+    grammar = StructuredOutput("regex", "[a-z]+")
+    scheduler.add(NewRequest("g", (5, 9, 2), SamplingParams(max_tokens=200, ignore_eos=True, structured=grammar)))
+    scheduler.add(NewRequest("m", (5, 9, 3), SamplingParams(max_tokens=200, min_tokens=100, ignore_eos=True)))
+    asked: list[dict[str, bool]] = []
+
+    def step() -> None:
+        plan = scheduler.schedule()
+        asked.append({chunk.request_id: chunk.draft_next for chunk in plan.chunks if chunk.sample})
+        scheduler.update(plan, StepResult(tuple(
+            ChunkResult(chunk.request_id, TokenLogprob(20, -1.0), proposed=(21, 22) if chunk.draft_next else ())
+            for chunk in plan.chunks)))
+
+    for _ in range(2 * PROBE_EVERY):
+        step()
+    assert policy.steps == 0 and not any(any(step.values()) for step in asked)
+    scheduler.add(NewRequest("f", (5, 9, 4), SamplingParams(max_tokens=200, ignore_eos=True)))
+    for _ in range(PROBE_EVERY + 1):
+        step()
+    joined = asked[2 * PROBE_EVERY:]
+    assert [index for index, step in enumerate(joined) if any(step.values())] == [PROBE_EVERY - 1]
+    assert joined[PROBE_EVERY - 1] == {"g": False, "m": False, "f": True} and policy.steps == PROBE_EVERY + 1
+
+
 def test_the_draft_step_counters_reach_the_metrics():
     stats = EngineStats(running=0, waiting=0, spec=SpecDecodeCounts().add_draft_steps(7, 40).add(3, 1))
     figures = {name: value for _, name, _, value in engine_figures("ds4serve", stats)}
@@ -135,18 +169,20 @@ class Run:
 
 
 def serve(model, prompts: dict[str, tuple[int, ...]], length: int, proposer=None, k: int = 0,
-          phase=None) -> Run:
-    """Greedy decoding of `prompts` at once through a scheduler and a runner (deterministic), drafting with
-    `proposer` (K = `k`) under a policy whose step cost `phase(step)` sets; without one, plain."""
-    limits = EngineLimits(2, BUDGET, MAX_LEN, model.config.vocab_size, model.config.eos_token_ids,
+          phase=None, min_tokens: dict[str, int] | None = None, budget: int = BUDGET) -> Run:
+    """Greedy decoding of `prompts` at once (a slot each) through a scheduler and a runner (deterministic),
+    drafting with `proposer` (K = `k`) under a policy whose step cost `phase(step)` sets; without one,
+    plain. `min_tokens`: per request, where one is asked."""
+    limits = EngineLimits(len(prompts), budget, MAX_LEN, model.config.vocab_size, model.config.eos_token_ids,
                           block_tokens=BLOCK)
     scheduler = Scheduler(limits)
     scheduler.spec_policy = fixed_policy() if proposer is not None else None
-    runner = ModelRunner(model, 2, MAX_LEN, num_pages=limits.total_pages, block_tokens=BLOCK, deterministic=True,
-                         draft_tokens=k, proposer=proposer)
+    runner = ModelRunner(model, len(prompts), MAX_LEN, num_pages=limits.total_pages, block_tokens=BLOCK,
+                         deterministic=True, draft_tokens=k, proposer=proposer)
     params = SamplingParams(temperature=0.0, logprobs=2, max_tokens=length, ignore_eos=True)
     for rid, prompt in prompts.items():
-        scheduler.add(NewRequest(rid, prompt, params))
+        least = (min_tokens or {}).get(rid, 0)
+        scheduler.add(NewRequest(rid, prompt, dataclasses.replace(params, min_tokens=least)))
     run = Run({rid: [] for rid in prompts}, {rid: [] for rid in prompts}, [], SpecDecodeCounts())
     step = 0
     while scheduler.has_work:
@@ -167,12 +203,14 @@ def serve(model, prompts: dict[str, tuple[int, ...]], length: int, proposer=None
 
 
 def on_off_on(step: int) -> tuple[float, float]:
-    """Drafting pays for 6 steps, then not for 40 (two requests: a probe every PROBE_EVERY / 2 steps),
-    then pays again."""
+    """Drafting pays for 6 steps, then not for 40 (a probe step every PROBE_EVERY), then pays again."""
     return CHEAP if step < 6 or step >= 46 else COSTLY
 
 
-def check_drafting_off_and_on(plain: Run, drafted: Run, afresh, k: int) -> None:
+LEAST = 50  # min_tokens of the request "c" beside "a" and "b": it cannot take drafts through most of the run
+
+
+def check_drafting_off_and_on(plain: Run, drafted: Run, afresh, k: int, prompt_c: tuple[int, ...]) -> None:
     assert drafted.tokens == plain.tokens
     assert drafted.logprobs == plain.logprobs  # logprobs and top-2 alternatives bitwise
     chunks = [chunk for step in drafted.chunks for chunk in step]
@@ -182,16 +220,27 @@ def check_drafting_off_and_on(plain: Run, drafted: Run, afresh, k: int) -> None:
             assert proposed == afresh(sequence), (rid, len(sequence))
         else:
             assert proposed == (), (rid, len(sequence))  # no drafting after a chunk that did not ask
-    off = [chunk for step in drafted.chunks[7:45] for chunk in step]
-    probes = [(rid, sequence) for rid, wanted, _, _, sequence in off if wanted]
-    assert len(probes) >= 2 and len(probes) * PROBE_EVERY <= len(off) + PROBE_EVERY  # one chunk in PROBE_EVERY
+    # "c" asks for nothing while its next chunk is under min_tokens (the sequence is the one after the
+    # chunk), in the on phases and probe steps too, and asks from the chunk after which it is not
+    c_chunks = [(wanted, verified, len(sequence) - len(prompt_c)) for rid, wanted, verified, _, sequence in chunks
+                if rid == "c"]
+    least = [(wanted, verified) for wanted, verified, outputs in c_chunks if outputs < LEAST]
+    assert len(least) == LEAST - 1 and not any(wanted or verified for wanted, verified in least)
+    assert [wanted for wanted, _, outputs in c_chunks if outputs == LEAST] == [True]  # the on phase by then
+    # while off, a probe is a whole step: every chunk of "a" and "b" in it asks, in no other step any
+    takers = [[wanted for rid, wanted, _, _, _ in step if rid != "c"] for step in drafted.chunks[7:45]]
+    assert all(step and len(set(step)) == 1 for step in takers), takers
+    probe_steps = [index for index, step in enumerate(takers) if step[0]]
+    assert len(probe_steps) >= 2 and {b - a for a, b in zip(probe_steps, probe_steps[1:])} == {PROBE_EVERY}
+    probes = [(rid, sequence) for step in drafted.chunks[7:45] for rid, wanted, _, _, sequence in step if wanted]
+    assert len(probes) == 2 * len(probe_steps)
     following = {(rid, len(sequence)): verified for rid, _, verified, _, sequence in chunks}
     for rid, sequence in probes:  # the chunk after a probe verifies one draft (tokens fit: 1 + accepted)
         nexts = [v for (r, n), v in following.items() if r == rid and len(sequence) < n <= len(sequence) + 2]
         assert nexts and nexts[0] == 1, (rid, len(sequence))
     late = [verified for step in drafted.chunks[48:] for _, _, verified, _, _ in step]
     assert late and max(late) == k  # drafting back on verifies every draft again
-    assert drafted.spec.skipped_draft_steps == asked.count(False) > 30
+    assert drafted.spec.skipped_draft_steps == asked.count(False) > 30 + LEAST  # "c"'s count as skipped
     assert drafted.spec.draft_steps == asked.count(True) > len(probes)
 
 
@@ -201,17 +250,43 @@ def mtp_model():
 
 
 def test_mtp_drafting_off_and_back_on_keeps_greedy_and_drafts_as_afresh(mtp_model):
-    prompts = {"a": MTP_PROMPT, "b": tuple(random_tokens(27, seed=11))}
-    plain = serve(mtp_model, prompts, 60)
-    proposer = MTPProposer(mtp_model, num_slots=2, max_model_len=MAX_LEN, k=MTP_K)
-    drafted = serve(mtp_model, prompts, 60, proposer, MTP_K, on_off_on)
-    check_drafting_off_and_on(plain, drafted, lambda tokens: mtp_drafts_afresh(mtp_model, list(tokens)), MTP_K)
+    prompts = {"a": MTP_PROMPT, "b": tuple(random_tokens(27, seed=11)), "c": tuple(random_tokens(27, seed=13))}
+    plain = serve(mtp_model, prompts, 60, min_tokens={"c": LEAST})
+    proposer = MTPProposer(mtp_model, num_slots=3, max_model_len=MAX_LEN, k=MTP_K)
+    drafted = serve(mtp_model, prompts, 60, proposer, MTP_K, on_off_on, min_tokens={"c": LEAST})
+    check_drafting_off_and_on(plain, drafted, lambda tokens: mtp_drafts_afresh(mtp_model, list(tokens)), MTP_K,
+                              prompts["c"])
 
 
 def test_dspark_drafting_off_and_back_on_keeps_greedy_and_drafts_as_afresh(dirs):  # noqa: F811
     model = with_draft(dirs)
-    prompts = {"a": DSPARK_PROMPT, "b": tuple(random_tokens(27, seed=12))}
-    plain = serve(model, prompts, 60)
-    proposer = DSparkProposer(model, num_slots=2, k=DSPARK_K)
-    drafted = serve(model, prompts, 60, proposer, DSPARK_K, on_off_on)
-    check_drafting_off_and_on(plain, drafted, lambda tokens: drafts_afresh(model, list(tokens)), DSPARK_K)
+    prompts = {"a": DSPARK_PROMPT, "b": tuple(random_tokens(27, seed=12)), "c": tuple(random_tokens(27, seed=14))}
+    plain = serve(model, prompts, 60, min_tokens={"c": LEAST})
+    proposer = DSparkProposer(model, num_slots=3, k=DSPARK_K)
+    drafted = serve(model, prompts, 60, proposer, DSPARK_K, on_off_on, min_tokens={"c": LEAST})
+    check_drafting_off_and_on(plain, drafted, lambda tokens: drafts_afresh(model, list(tokens)), DSPARK_K,
+                              prompts["c"])
+
+
+def test_at_a_batch_of_8_one_step_in_probe_every_probes_with_all_its_chunks(mtp_model):
+    """MTP, 8 requests at once, drafting never paying (COSTLY from the first step): the steps whose chunks
+    ask for drafts are exactly every PROBE_EVERY-th, every sampling chunk of them asks (all 8 verify one
+    draft in the step after), no chunk of any other step asks, the proposer's counters say so, and greedy
+    output is plain greedy's bitwise."""
+    batch, length = 8, 3 * PROBE_EVERY + 4
+    prompts = {f"r{i}": tuple(random_tokens(10, seed=20 + i)) for i in range(batch)}
+    proposer = MTPProposer(mtp_model, num_slots=batch, max_model_len=MAX_LEN, k=MTP_K)
+    run = serve(mtp_model, prompts, length, proposer, MTP_K, lambda step: COSTLY, budget=128)
+    plain = serve(mtp_model, prompts, length, budget=128)
+    assert (run.tokens, run.logprobs) == (plain.tokens, plain.logprobs)
+    asking = [[wanted for _, wanted, _, _, _ in step] for step in run.chunks]
+    assert all(len(step) == batch for step in asking[:3 * PROBE_EVERY + 1])  # one prefill step, then decodes
+    probe_steps = [index for index, step in enumerate(asking) if any(step)]
+    assert probe_steps == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    assert all(all(asking[index]) for index in probe_steps)  # a probe step's every chunk probes
+    verified = [[count for _, _, count, _, _ in step] for step in run.chunks]
+    assert [index for index, step in enumerate(verified) if any(step)] == [index + 1 for index in probe_steps]
+    assert all(verified[index + 1] == [1] * batch for index in probe_steps)  # acceptance stays measured
+    chunks = sum(len(step) for step in asking)
+    assert run.spec.draft_steps == batch * len(probe_steps) == run.spec.drafts
+    assert run.spec.skipped_draft_steps == chunks - batch * len(probe_steps)

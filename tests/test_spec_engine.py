@@ -1,20 +1,30 @@
 """Speculative decoding through the engine (issue 27): --speculative-config and its YAML key, the
 scheduler handing each request's proposed drafts to its next decode chunk (cut to the budget,
-max_tokens, max_model_len; none for prompts, under min_tokens' eos ban or after preemption), vLLM's
-spec-decode counters, and a served V4 model answering the official openai client with the tokens and
-logprobs it gives without speculation (deterministic mode: bitwise) for MTP and n-gram drafts."""
+max_tokens, max_model_len; none for prompts, under min_tokens' eos ban, under a grammar or after
+preemption), vLLM's spec-decode counters, a served V4 model answering the official openai client with
+the tokens and logprobs it gives without speculation (deterministic mode: bitwise) for MTP and n-gram
+drafts, and the proposer skipping its drafting for a grammar-constrained request and one under min_tokens."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import json
+import time
 
 import httpx
 import openai
 import pytest
 
-from contract import ChunkResult, EngineLimits, NewRequest, SamplingParams, StepResult, TokenLogprob
+from contract import (
+    ChunkResult,
+    EngineLimits,
+    NewRequest,
+    SamplingParams,
+    StepResult,
+    StructuredOutput,
+    TokenLogprob,
+)
 from contract.config import ConfigFileError, load_config
 from contract.features import unbuilt_features
 from models.tiny import build_tiny_checkpoint
@@ -93,6 +103,7 @@ def test_the_proposed_drafts_ride_the_next_decode_chunk_and_count():
     (SamplingParams(max_tokens=20), {"max_model_len": len(PROMPT) + 4}, 2),  # 8 tokens now: 2 + 1 more fit
     (SamplingParams(max_tokens=20), {"budget": 3}, 2),  # the token and 2 drafts
     (SamplingParams(max_tokens=20, min_tokens=3), {}, 0),  # eos banned for the first draw only: no drafts
+    (SamplingParams(max_tokens=20, structured=StructuredOutput("regex", "[a-z]+")), {}, 0),  # a grammar's too
 ])
 def test_drafts_are_cut_to_what_fits(params, limits, kept):
     scheduler = decoding(params, **limits)
@@ -132,10 +143,12 @@ def completions(base: str, max_tokens: int = 24) -> list[tuple[list[str], list[f
         return list(pool.map(one, PROMPTS))
 
 
-def spec_counter(base: str, name: str) -> float:
+def spec_counters(base: str, *names: str) -> tuple[float, ...]:
+    """vLLM's counters `names`, from one scrape (the engine's stats frame may land between two)."""
     text = httpx.get(base + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"vllm:{name}_total{{") or line.startswith(f"vllm:{name}_total "))
+    return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(f"vllm:{name}_total{{") or line.startswith(f"vllm:{name}_total "))
+                 for name in names)
 
 
 def test_served_greedy_with_drafts_is_greedy_without_them(v4_with_mtp):
@@ -149,12 +162,63 @@ def test_served_greedy_with_drafts_is_greedy_without_them(v4_with_mtp):
         config = json.dumps({"method": method, "num_speculative_tokens": k})
         with running_server(v4_with_mtp, "spec", *common, "--speculative-config", config) as base:
             assert completions(base) == plain, method
-            drafts, tokens = spec_counter(base, "spec_decode_num_drafts"), spec_counter(base, "spec_decode_num_draft_tokens")
-            accepted = spec_counter(base, "spec_decode_num_accepted_tokens")
+            drafts, tokens, accepted = spec_counters(base, "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                     "spec_decode_num_accepted_tokens")
             print(f"{method}: {drafts:.0f} verify chunks, {tokens:.0f} drafts, {accepted:.0f} accepted")
             assert drafts > 0 and drafts <= tokens <= k * drafts and 0 <= accepted <= tokens, (method, drafts, tokens)
             text = httpx.get(base + "/metrics").text
             assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in text and 'position="0"' in text
+
+
+def draft_step_counts(base: str) -> tuple[float, float, float]:
+    """(draft steps run, draft steps skipped, drafts accepted) since the server started."""
+    text = httpx.get(base + "/metrics").text
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith((f"{name}_total{{", f"{name}_total ")))
+
+    return (total("ds4serve:spec_decode_num_draft_steps"), total("ds4serve:spec_decode_num_skipped_draft_steps"),
+            total("vllm:spec_decode_num_accepted_tokens"))
+
+
+def draft_steps_of(base: str, send) -> tuple[int, int, int]:
+    """(draft steps run, skipped, completion tokens) for the one request `send()` makes (it returns the
+    reply's completion tokens): each sampling chunk yields one token and the drafts it accepted, so the
+    engine's counters (sent every second) have settled once run + skipped + accepted moved by those."""
+    before = draft_step_counts(base)
+    tokens = send()
+    deadline = time.monotonic() + 20
+    while True:
+        run, skipped, accepted = (now - then for now, then in zip(draft_step_counts(base), before))
+        if run + skipped + accepted == tokens or time.monotonic() > deadline:
+            assert run + skipped + accepted == tokens, (run, skipped, accepted, tokens)
+            return int(run), int(skipped), tokens
+        time.sleep(0.2)
+
+
+def test_constrained_and_min_tokens_requests_skip_drafting(v4_with_mtp):
+    """MTP (K = 2, fixed K so no timing enters), one request at a time through the openai client: a
+    grammar-constrained request (structured outputs) cannot verify drafts, so the proposer skips its
+    drafting after every one of its chunks; a request under min_tokens after the chunks whose next one is
+    still under it (the first min_tokens - 1), then drafts; a free request drafts after every chunk."""
+    pytest.importorskip("xgrammar")
+    config = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    with running_server(v4_with_mtp, "spec", "--deterministic", "--max-model-len", "256",
+                        "--speculative-config", config) as base:
+        llm = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+        def send(**fields) -> int:
+            reply = llm.completions.create(model="spec", prompt=PROMPTS[2], max_tokens=16, temperature=0, **fields)
+            return reply.usage.completion_tokens
+
+        constrained = {"structured_outputs": {"regex": "[a-z]{20,60}"}}
+        run, skipped, tokens = draft_steps_of(base, lambda: send(extra_body=constrained))
+        assert run == 0 and skipped == tokens > 1, (run, skipped, tokens)
+        run, skipped, _ = draft_steps_of(base, lambda: send(extra_body={"min_tokens": 8, "ignore_eos": True}))
+        assert skipped == 8 - 1 and run >= 1, (run, skipped)
+        run, skipped, _ = draft_steps_of(base, lambda: send(extra_body={"ignore_eos": True}))
+        assert skipped == 0 and run >= 1, (run, skipped)
 
 
 def test_the_v41_default_refuses_mtp_naming_the_flag():
@@ -174,7 +238,7 @@ def test_served_v41_with_ngram_drafts_is_greedy_without_them(checkpoints):
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})  # timing-free K
     with running_server(checkpoints["v41"], "spec", *common, "--speculative-config", config) as base:
         assert completions(base, max_tokens=40) == plain
-        drafts, accepted = spec_counter(base, "spec_decode_num_draft_tokens"), spec_counter(base, "spec_decode_num_accepted_tokens")
+        drafts, accepted = spec_counters(base, "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
         print(f"v41 ngram: {drafts:.0f} drafts, {accepted:.0f} accepted")
         assert drafts > accepted > 0  # some drafts passed, some were rolled back
 
@@ -270,15 +334,15 @@ def test_small_launch_bound_batches_draft_and_large_compute_bound_ones_fall_back
     """Costs like the H200 slice's (a step ~1.7 ms at one row, ~0.16 ms a further row) and half the first
     drafts accepted, no second: one sequence verifies a draft (1.5 tokens for 1.2x the step); 32
     sequences verify none (their rows cost), and the proposer drafts for none of them, except the probes
-    (every PROBE_EVERY-th sampling chunk, decided as it is launched) that keep acceptance measured; with
-    every draft accepted 32 sequences draft again."""
+    (every PROBE_EVERY-th step, decided as it is launched, all its chunks at once) that keep acceptance
+    measured; with every draft accepted 32 sequences draft again."""
     from scheduler.spec_policy import PROBE_EVERY, Drafting
 
     mediocre = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=(0, 1))
     assert mediocre.draft_count(batch=1, proposed=3) >= 1 and mediocre.drafting_next(batch=1) is Drafting.ON
     wishes = [mediocre.drafting_next(batch=32) for _ in range(4 * PROBE_EVERY)]
     assert wishes.count(Drafting.PROBE) == 4 and wishes.count(Drafting.OFF) == 4 * PROBE_EVERY - 4
-    assert wishes[PROBE_EVERY - 1] is Drafting.PROBE  # a probe every PROBE_EVERY-th
+    assert wishes[PROBE_EVERY - 1] is Drafting.PROBE  # a probe step every PROBE_EVERY-th
     assert mediocre.draft_count(batch=32, proposed=3) == 0 and mediocre.draft_count(batch=32, proposed=3, probe=True) == 1
     perfect = policy_after(1.7e-3, 0.16e-3, carried=3, accepted=3)
     assert perfect.draft_count(batch=1, proposed=3) == 3 and perfect.draft_count(batch=32, proposed=3) >= 1
