@@ -127,8 +127,11 @@ def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: i
     per = -(-chunks // max(1, min(shares, chunks)))
     shares = -(-chunks // per)
     out = torch.empty(shares, pairs, rows, dtype=torch.float32, device=act.device)
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        _function(build)(
+    device = act.device.index if act.device.index is not None else torch.cuda.current_device()
+    # CuPy's current device is its own, not torch's (a tensor-parallel rank's is not device 0): its
+    # module is loaded, and the kernel launched on torch's stream, in the activations' device's context
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        _function(build, device)(
             (pairs, rows // build.block_rows, shares), (128,),
             (np.uint64(act.data_ptr()), np.uint64(expert_of.data_ptr()), np.uint64(w.codes.data_ptr()),
              np.uint64(w.scales.data_ptr()), np.uint64(out.data_ptr()), np.int32(pairs), np.int32(div),
@@ -138,8 +141,9 @@ def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: i
 
 
 @cache
-def _function(build: Build):
-    """The kernel compiled for `build` (NVRTC, once a process)."""
+def _function(build: Build, device: int):
+    """The kernel compiled for `build` (NVRTC) and loaded on `device`, once a process; called inside
+    that device's context."""
     import cupy
 
     options = ("-std=c++17", f"-DTILES={build.tiles}", f"-DMIN_BLOCKS={build.min_blocks}")
