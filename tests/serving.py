@@ -107,6 +107,31 @@ def server_process(
             process.kill()
 
 
+def settled_metrics(base: str, *names: str, timeout: float = 30) -> tuple[float, ...]:
+    """Each metric of `names` (full names, e.g. "vllm:num_preemptions_total") summed over its series, from
+    one scrape taken once the engine is idle as its stats say and they stopped changing over a stats
+    interval: the engine sends its stats at most once a second, so a scrape right after the last
+    response may not hold its counts yet, and two scrapes may straddle a frame."""
+    from engine.process import STATS_INTERVAL_S
+
+    wanted = (*names, "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+    def scrape() -> tuple[float, ...]:
+        lines = httpx.get(base + "/metrics").text.splitlines()
+        return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name}{{", f"{name} ")))
+                     for name in wanted)
+
+    deadline = time.monotonic() + timeout
+    last = scrape()
+    while True:
+        time.sleep(STATS_INTERVAL_S + 0.3)
+        now = scrape()
+        if now == last and now[-2:] == (0, 0):
+            return now[:-2]
+        assert time.monotonic() < deadline, f"the metrics never settled: {last} -> {now}"
+        last = now
+
+
 @contextmanager
 def running_server(
     model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None

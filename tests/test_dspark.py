@@ -26,7 +26,7 @@ from models import ForwardBatch, ModelConfig, load_model
 from models.dspark import BlockBatch, allocate_rings, attach_dspark, build_tiny_dspark
 from models.tiny import build_tiny_checkpoint, tiny_config_dict
 from tests.conftest import random_tokens
-from tests.serving import running_server
+from tests.serving import running_server, settled_metrics
 from tests.test_proposers import decode as decode_with_drafts
 from worker import ModelRunner
 from worker.dspark import DSparkProposer
@@ -368,13 +368,6 @@ def served_workload(base: str) -> dict[str, object]:
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the servers' torch: a busy machine's other core must not stall its steps
 
 
-def metric(base: str, name: str) -> float:
-    """A vllm: counter's value summed over its series."""
-    text = httpx.get(base + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} "))
-
-
 def test_served_greedy_with_dspark_drafts_is_greedy_without_them(dirs, tmp_path):
     """The tiny V4.1 served in deterministic mode (6 KV pages of 128 tokens, which the 3 long requests at
     once outgrow), through the openai client: with --speculative-config method dspark (K = 5, a draft
@@ -385,7 +378,8 @@ def test_served_greedy_with_dspark_drafts_is_greedy_without_them(dirs, tmp_path)
     common = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=6", "--max-num-seqs", "3")
     with running_server(target, "spec", *common, env=ONE_THREAD) as base:
         plain = served_workload(base)
-        assert metric(base, "num_preemptions_total") > 0 and metric(base, "prefix_cache_hits_total") > 0
+        preempted, hits = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
+        assert preempted > 0 and hits > 0
     rigged = tmp_path / "rigged"
     shutil.copytree(draft_dir, rigged)
     weights = load_file(rigged / "model.safetensors")
@@ -394,9 +388,9 @@ def test_served_greedy_with_dspark_drafts_is_greedy_without_them(dirs, tmp_path)
     config = json.dumps({"method": "dspark", "num_speculative_tokens": 5, "model": str(rigged), "adaptive": False})
     with running_server(target, "spec", *common, "--speculative-config", config, env=ONE_THREAD) as base:
         drafting = served_workload(base)
-        drafts = metric(base, "spec_decode_num_draft_tokens_total")
-        accepted = metric(base, "spec_decode_num_accepted_tokens_total")
-        preempted, hits = metric(base, "num_preemptions_total"), metric(base, "prefix_cache_hits_total")
+        drafts, accepted, preempted, hits = settled_metrics(
+            base, "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
         print(f"dspark served: {drafts:.0f} drafts, {accepted:.0f} accepted, {preempted:.0f} preemptions, "
               f"{hits:.0f} prefix-hit tokens")
         assert drafts > accepted > 0 and preempted > 0 and hits > 0

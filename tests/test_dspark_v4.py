@@ -28,7 +28,7 @@ from models.dspark import (
     held_draft,
 )
 from models.tiny import build_tiny_checkpoint
-from tests.serving import running_server
+from tests.serving import running_server, settled_metrics
 from tests.test_dspark import (
     K,
     ONE_THREAD,
@@ -39,7 +39,6 @@ from tests.test_dspark import (
     drafts_afresh,
     hc_site,
     merge,
-    metric,
     moe,
     release_spelling,
     rms,
@@ -301,13 +300,14 @@ def test_served_greedy_with_v4_dspark_drafts_is_greedy_without_them(dirs, tmp_pa
     common = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=6", "--max-num-seqs", "3")
     with running_server(target, "spec", *common, env=ONE_THREAD) as base:
         plain = served_workload(base)
-        assert metric(base, "num_preemptions_total") > 0 and metric(base, "prefix_cache_hits_total") > 0
+        preempted, hits = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
+        assert preempted > 0 and hits > 0
     rigged = rigged_copy(draft_dir, tmp_path / "rigged", [ids for ids, _, _ in plain["mixed"] + plain["crowded"]])
     config = json.dumps({"method": "dspark", "num_speculative_tokens": 5, "model": str(rigged), "adaptive": False})
     with running_server(target, "spec", *common, "--speculative-config", config, env=ONE_THREAD) as base:
         drafting = served_workload(base)
-        drafts = metric(base, "spec_decode_num_draft_tokens_total")
-        accepted = metric(base, "spec_decode_num_accepted_tokens_total")
+        drafts, accepted = settled_metrics(base, "vllm:spec_decode_num_draft_tokens_total",
+                                           "vllm:spec_decode_num_accepted_tokens_total")
         print(f"V4 dspark served: {drafts:.0f} drafts, {accepted:.0f} accepted")
         assert drafts > accepted > 0
     for key in plain:

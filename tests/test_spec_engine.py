@@ -29,7 +29,7 @@ from contract.config import ConfigFileError, load_config
 from contract.features import unbuilt_features
 from models.tiny import build_tiny_checkpoint
 from scheduler.scheduler import Scheduler
-from tests.serving import running_server
+from tests.serving import running_server, settled_metrics
 
 PROMPT = (5, 9, 2, 7, 11, 3, 8)
 
@@ -144,11 +144,8 @@ def completions(base: str, max_tokens: int = 24) -> list[tuple[list[str], list[f
 
 
 def spec_counters(base: str, *names: str) -> tuple[float, ...]:
-    """vLLM's counters `names`, from one scrape (the engine's stats frame may land between two)."""
-    text = httpx.get(base + "/metrics").text
-    return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith(f"vllm:{name}_total{{") or line.startswith(f"vllm:{name}_total "))
-                 for name in names)
+    """vLLM's counters `names` (without the vllm: prefix and _total suffix), settled (tests/serving.py)."""
+    return settled_metrics(base, *(f"vllm:{name}_total" for name in names))
 
 
 def test_served_greedy_with_drafts_is_greedy_without_them(v4_with_mtp):
@@ -243,13 +240,6 @@ def test_served_v41_with_ngram_drafts_is_greedy_without_them(checkpoints):
         assert drafts > accepted > 0  # some drafts passed, some were rolled back
 
 
-def metric(base: str, name: str) -> float:
-    """A vllm: counter or gauge's value summed over its series."""
-    text = httpx.get(base + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} "))
-
-
 # ~200-token prompts: their first 128-token page is a prefix-cache point the second round hits
 LONG_PROMPTS = [f"{i}: " + " ".join(PROMPTS) * 4 for i in range(3)]
 
@@ -296,9 +286,9 @@ def test_served_speculation_keeps_its_tokens_through_preemption_prefix_hits_abor
     for name, extra in (("plain", ()), ("mtp", ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'))):
         with running_server(v4_with_mtp, "spec", *common, *extra) as base:
             results[name] = stressed_workload(base)
-            preempted, hits = metric(base, "num_preemptions_total"), metric(base, "prefix_cache_hits_total")
-            print(f"{name}: {preempted:.0f} preemptions, {hits:.0f} prefix-hit tokens, "
-                  f"{metric(base, 'spec_decode_num_drafts_total'):.0f} verify chunks")
+            preempted, hits, verified = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
+                                                        "vllm:spec_decode_num_drafts_total")
+            print(f"{name}: {preempted:.0f} preemptions, {hits:.0f} prefix-hit tokens, {verified:.0f} verify chunks")
             assert preempted > 0 and hits > 0, name
             assert httpx.get(base + "/health").status_code == 200
     for key in results["plain"]:
