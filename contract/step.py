@@ -35,10 +35,10 @@ class ScheduledChunk:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     # tokens proposed to follow token_ids (a speculative step), computed after them and verified by
-    # drawing at each: only a sampling chunk carries them; the scheduler sets none yet
+    # drawing at each: only a sampling chunk carries them (scheduler/scheduler.py sets them)
     draft_token_ids: tuple[int, ...] = ()
     # a sampling chunk: the worker's proposer drafts after it (False: the scheduler's draft policy has the
-    # request's next chunk verify none, so the proposer only keeps its own state over the chunk's rows)
+    # request's next chunk verify none, so the proposer only keeps its state: worker/proposers.py)
     draft_next: bool = True
     # the tokens this chunk's draw may take, one bit per token id (bit i % 32 of word i // 32, words
     # as int32 values), from the request's grammar (engine/structured_outputs.py); empty: any token

@@ -107,7 +107,7 @@ def meta_cache(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dt
 def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: torch.dtype, max_len: int,
                       dspark: DSparkConfig | None = None) -> int:
     """Device bytes the draft proposer holds beside the engine's cache (the MTP layer's own cache and
-    waiting rows; `dspark`, the draft's config: its stages' context rings; nothing for ngram or without
+    held rows; `dspark`, the draft's config: its stages' context rings; nothing for ngram or without
     --speculative-config): part of the slots' fixed state."""
     if dspark is not None:
         return ring_bytes(dspark, config.scheduler.max_num_seqs, dtype)

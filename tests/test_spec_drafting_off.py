@@ -10,11 +10,17 @@ greedy's bitwise through drafting on, off (with probe steps) and on again, a req
 beside; every draft proposed equals the draft model run afresh over the whole sequence, after the off
 phase too; nothing is proposed after a chunk without `draft_next`; a probe's next chunk verifies one
 draft; at a batch of 8 exactly one step in PROBE_EVERY probes, with all its chunks; and the proposer's
-draft steps, run and skipped, reach the engine's counters and /metrics."""
+draft steps, run and skipped, reach the engine's counters and /metrics. The MTP layer itself (its
+forwards logged step by step, `LayerLog`, against the rule, `check_held`) takes no decode row while
+drafting is off: the rows wait in a buffer of held_rows(K) a slot, run at the probe step, when the
+buffer would overflow (the request under min_tokens) or with a prompt chunk, and are dropped when the
+slot's sequence restarts (preemption, abort and a new request, another request at the held end); the
+buffer's bytes are counted exactly."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,12 +30,14 @@ from contract import (
     EngineLimits,
     EngineStats,
     NewRequest,
+    ScheduledChunk,
     SamplingParams,
     SpecDecodeCounts,
     StepResult,
     StructuredOutput,
     TokenLogprob,
 )
+from models.mtp import allocate_mtp_cache
 from models.random_model import build_random_model
 from scheduler.scheduler import Scheduler
 from scheduler.spec_policy import PROBE_EVERY, Drafting, SpeculationPolicy, StepCost
@@ -45,7 +53,7 @@ from tests.test_proposers import mtp_drafts_afresh
 from tests.test_spec_engine import policy_after
 from worker import ModelRunner
 from worker.dspark import DSparkProposer
-from worker.proposers import MTPProposer
+from worker.proposers import PROBE_EVERY_STEPS, ComputedChunk, MTPProposer, held_rows, mtp_proposer_bytes
 
 torch.set_num_threads(1)
 
@@ -169,12 +177,16 @@ class Run:
 
 
 def serve(model, prompts: dict[str, tuple[int, ...]], length: int, proposer=None, k: int = 0,
-          phase=None, min_tokens: dict[str, int] | None = None, budget: int = BUDGET) -> Run:
+          phase=None, min_tokens: dict[str, int] | None = None, budget: int = BUDGET,
+          num_pages: int | None = None, on_step: Callable[[int, Scheduler, dict], None] | None = None) -> Run:
     """Greedy decoding of `prompts` at once (a slot each) through a scheduler and a runner (deterministic),
     drafting with `proposer` (K = `k`) under a policy whose step cost `phase(step)` sets; without one,
-    plain. `min_tokens`: per request, where one is asked."""
+    plain. `min_tokens`: per request, where one is asked. `num_pages`: KV pages (None: every slot's
+    max length); `on_step(step, scheduler, prompts)` runs before each step is scheduled (it may abort a
+    request, or add one to the scheduler and to `prompts`)."""
+    prompts = dict(prompts)
     limits = EngineLimits(len(prompts), budget, MAX_LEN, model.config.vocab_size, model.config.eos_token_ids,
-                          block_tokens=BLOCK)
+                          num_pages=num_pages, block_tokens=BLOCK)
     scheduler = Scheduler(limits)
     scheduler.spec_policy = fixed_policy() if proposer is not None else None
     runner = ModelRunner(model, len(prompts), MAX_LEN, num_pages=limits.total_pages, block_tokens=BLOCK,
@@ -186,14 +198,16 @@ def serve(model, prompts: dict[str, tuple[int, ...]], length: int, proposer=None
     run = Run({rid: [] for rid in prompts}, {rid: [] for rid in prompts}, [], SpecDecodeCounts())
     step = 0
     while scheduler.has_work:
+        if on_step is not None:
+            on_step(step, scheduler, prompts)
         if proposer is not None:
             scheduler.spec_policy.cost.known = phase(step)
         plan = scheduler.schedule()
         result = runner.execute(plan)
         for output in scheduler.update(plan, result):
             assert output.error is None, output.error
-            run.tokens[output.request_id] += output.new_token_ids
-            run.logprobs[output.request_id] += output.new_logprobs
+            run.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            run.logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
         run.chunks.append([(c.request_id, c.draft_next, len(c.draft_token_ids), r.proposed,
                             (*prompts[c.request_id], *run.tokens[c.request_id]))
                            for c, r in zip(plan.chunks, result.chunks) if c.sample])
@@ -249,13 +263,203 @@ def mtp_model():
     return build_random_model(MTP_CONFIG, torch.float32, "cpu", seed=2, mtp=True)
 
 
-def test_mtp_drafting_off_and_back_on_keeps_greedy_and_drafts_as_afresh(mtp_model):
+class LayerLog:
+    """The MTP layer's forwards, a step at a time, while `proposer` proposes: per propose call, the chunks
+    it got (those with rows) as (request, slot, position, kept rows, samples, draft_next, tokens), and the
+    layer's chunks in its forward as {slot: (position, rows)} (the chained draft steps are decodes, not
+    forwards). `close` takes the hook off the layer."""
+
+    def __init__(self, proposer: MTPProposer) -> None:
+        self.steps: list[tuple[list[tuple], dict[int, tuple[int, int]]]] = []
+        self.inside = False
+        self.propose, proposer.propose = proposer.propose, self.record
+        self.hook = proposer.layer.register_forward_pre_hook(self.forward)
+
+    def record(self, computed):
+        self.steps.append(([(i.chunk.request_id, i.chunk.slot, i.chunk.position, i.kept, i.next_token is not None,
+                             i.chunk.draft_next, len(i.chunk.token_ids)) for i in computed if i.streams is not None], {}))
+        self.inside = True
+        try:
+            return self.propose(computed)
+        finally:
+            self.inside = False
+
+    def forward(self, module, args) -> None:
+        if self.inside:  # not the afresh drafts a check computes with the same layer
+            ran = self.steps[-1][1]
+            for chunk in args[1].chunks:
+                assert chunk.slot not in ran  # one forward a step, one chunk a slot
+                ran[chunk.slot] = (chunk.position, chunk.length)
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
+def check_held(log: LayerLog, k: int) -> tuple[dict[str, list[tuple[int, int, bool, bool]]], list[tuple[str, str, int]]]:
+    """The layer's forwards against the rule, step by step (worker/proposers.py MTPProposer): a decode chunk
+    that drafts nothing next runs nothing while its slot's rows not yet through the layer fit held_rows(k);
+    any other chunk runs all of them with its own, in one chunk from where the layer's rows of its sequence
+    end (a prompt chunk's last row waits for its token); a chunk that does not continue its slot's
+    sequence drops what was held. Returns per request its runs (step, rows, whether it drafted after, whether
+    at a decode chunk), and
+    the drops (request that held, request that came, rows dropped)."""
+    width = held_rows(k)
+    slots: dict[int, tuple[str, int, int]] = {}  # slot -> (request, end of the rows run, end of the rows seen)
+    runs: dict[str, list[tuple[int, int, bool, bool]]] = {}
+    dropped = []
+    for index, (chunks, ran) in enumerate(log.steps):
+        assert set(ran) <= {chunk[1] for chunk in chunks}, index
+        for rid, slot, position, kept, samples, draft_next, tokens in chunks:
+            owner, done, seen = slots.get(slot, (rid, position, position))
+            if (owner, seen) != (rid, position):  # the slot's sequence restarted: what it held is dropped
+                if seen > done:
+                    dropped.append((owner, rid, seen - done))
+                done = position
+            seen = position + kept
+            ready = seen if samples else seen - 1  # rows whose next token is known
+            if samples and not draft_next and tokens == 1 and seen - done <= width:
+                assert slot not in ran, (index, rid)
+            else:
+                assert ran.get(slot) == ((done, ready - done) if ready > done else None), (index, rid, ran.get(slot))
+                runs.setdefault(rid, []).append((index, ready - done, samples and draft_next, tokens == 1))
+                done = ready
+            slots[slot] = (rid, done, seen)
+    return runs, dropped
+
+
+@pytest.fixture(scope="module")
+def mtp_on_off_on(mtp_model):
+    """The requests "a", "b" and "c" (under min_tokens LEAST) served plain, and with MTP drafts through
+    on_off_on: (prompts, plain, drafted, the layer's log)."""
     prompts = {"a": MTP_PROMPT, "b": tuple(random_tokens(27, seed=11)), "c": tuple(random_tokens(27, seed=13))}
     plain = serve(mtp_model, prompts, 60, min_tokens={"c": LEAST})
     proposer = MTPProposer(mtp_model, num_slots=3, max_model_len=MAX_LEN, k=MTP_K)
+    log = LayerLog(proposer)
     drafted = serve(mtp_model, prompts, 60, proposer, MTP_K, on_off_on, min_tokens={"c": LEAST})
+    log.close()
+    return prompts, plain, drafted, log
+
+
+def test_mtp_drafting_off_and_back_on_keeps_greedy_and_drafts_as_afresh(mtp_model, mtp_on_off_on):
+    prompts, plain, drafted, _ = mtp_on_off_on
     check_drafting_off_and_on(plain, drafted, lambda tokens: mtp_drafts_afresh(mtp_model, list(tokens)), MTP_K,
                               prompts["c"])
+
+
+def test_while_drafting_is_off_the_mtp_layer_runs_only_at_probe_steps(mtp_on_off_on):
+    """Every forward of the layer follows the rule (check_held); in the off phase the layer takes no row of
+    "a" or "b" but at the probe steps, where it takes every row held since their last run: PROBE_EVERY
+    decode rows, one more where the chunk after the last probe accepted its draft."""
+    _, _, drafted, log = mtp_on_off_on
+    runs, dropped = check_held(log, MTP_K)
+    assert not dropped
+    probe_steps = [index for index in range(7, 45) if any(wanted for rid, wanted, _, _, _ in drafted.chunks[index]
+                                                        if rid != "c")]
+    for rid in "ab":
+        off = [(step, rows, drafts) for step, rows, drafts, _ in runs[rid] if 7 <= step < 45]
+        assert [step for step, _, _ in off] == probe_steps and all(drafts for _, _, drafts in off)
+        assert all(PROBE_EVERY <= rows <= PROBE_EVERY + 1 for _, rows, _ in off[1:]), off
+    rows_a_b = [sum(ran[slot][1] for slot in ran if slot != 2) for _, ran in log.steps[7:45]]  # "c" is slot 2
+    assert {rows for index, rows in enumerate(rows_a_b, 7) if index not in probe_steps} == {0}
+    assert all(rows_a_b[index - 7] >= 2 * PROBE_EVERY for index in probe_steps[1:])
+
+
+def test_rows_held_past_the_buffer_run_the_layer(mtp_on_off_on):
+    """"c", under min_tokens for LEAST tokens, never drafts while its neighbours do: past its prompt, the
+    layer takes its rows only when one more would overflow its held_rows(K), in runs of held_rows(K) + 1."""
+    _, _, drafted, log = mtp_on_off_on
+    runs, _ = check_held(log, MTP_K)
+    held = [(step, rows) for step, rows, drafts, decode in runs["c"] if decode and not drafts]
+    assert len(held) >= (LEAST - 1) // (held_rows(MTP_K) + 1) >= 2
+    assert {rows for _, rows in held[:-1]} == {held_rows(MTP_K) + 1}, held
+
+
+def abort_b_for_q(step: int, scheduler: Scheduler, prompts: dict) -> None:
+    """At step 25, "b" is aborted and "q" arrives (it takes "b"'s slot)."""
+    if step == 25:
+        assert scheduler.abort("b") is not None
+        prompts["q"] = tuple(random_tokens(20, seed=15))
+        scheduler.add(NewRequest("q", prompts["q"], SamplingParams(temperature=0.0, logprobs=2, max_tokens=30,
+                                                                  ignore_eos=True)))
+
+
+@pytest.mark.parametrize("restart", ["preempt", "abort"])
+def test_a_restarted_slot_drops_what_it_held(mtp_model, restart):
+    """Two requests, drafting never paying (rows held between probes): preempted under page pressure ("b"
+    recomputes from its first token), or aborted with a new request taking its slot ("q"), a slot's held
+    rows are dropped, never run over the sequence that follows (check_held); greedy output is plain
+    greedy's and every draft that of the layer run afresh over the sequence it follows."""
+    prompts = {"a": MTP_PROMPT, "b": tuple(random_tokens(27, seed=11))}
+    # preempt: both grow to 6 pages of 9, so "b" is preempted, and recomputed once "a" is done
+    num_pages, on_step = (9, None) if restart == "preempt" else (None, abort_b_for_q)
+    plain = serve(mtp_model, prompts, 60, num_pages=num_pages, on_step=on_step)
+    proposer = MTPProposer(mtp_model, num_slots=2, max_model_len=MAX_LEN, k=MTP_K)
+    log = LayerLog(proposer)
+    drafted = serve(mtp_model, prompts, 60, proposer, MTP_K, lambda step: COSTLY, num_pages=num_pages,
+                    on_step=on_step)
+    log.close()
+    kept = ["a", "b"] if restart == "preempt" else ["a", "q"]
+    assert {rid: drafted.tokens[rid] for rid in kept} == {rid: plain.tokens[rid] for rid in kept}
+    _, dropped = check_held(log, MTP_K)
+    restarted = [chunk for chunks, _ in log.steps for chunk in chunks if chunk[2] == 0]
+    if restart == "preempt":
+        # "b" from its first token again (more than once: readmitted as pages free, preempted as "a" grows)
+        assert [rid for rid, *_ in restarted][:3] == ["a", "b", "b"] and {rid for rid, *_ in restarted} == {"a", "b"}
+        assert {(held, came) for held, came, _ in dropped} == {("b", "b")} and dropped[0][2] > 1  # decode rows held
+    else:
+        assert [came for _, came, _ in dropped] == ["q"] and dropped[0][0] == "b"
+    proposed = [(sequence, drafts) for step in drafted.chunks for rid, wanted, _, drafts, sequence in step if wanted]
+    assert len(proposed) >= 4
+    for sequence, drafts in proposed:
+        assert drafts == mtp_drafts_afresh(mtp_model, list(sequence)), len(sequence)
+
+
+def test_a_prompt_prefilled_in_small_chunks_drafts_as_afresh(mtp_model):
+    """Each prompt chunk's last row waits in the buffer's first row, where the row it replaces is read by
+    the same step's forward: with chunks of 5 tokens, rows that waited are in the layer's window when it
+    first drafts, and every draft equals the layer run afresh."""
+    proposer = MTPProposer(mtp_model, num_slots=1, max_model_len=MAX_LEN, k=MTP_K)
+    run = serve(mtp_model, {"a": MTP_PROMPT}, 8, proposer, MTP_K, lambda step: CHEAP, budget=5)
+    proposed = [(sequence, drafts) for step in run.chunks for _, wanted, _, drafts, sequence in step if wanted]
+    assert len(proposed) >= 3
+    for sequence, drafts in proposed:
+        assert drafts == mtp_drafts_afresh(mtp_model, list(sequence)), len(sequence)
+
+
+@pytest.mark.parametrize("rid, runs", [("r", (10, 4)), ("q", (13, 1))])
+def test_held_rows_are_a_requests_even_where_another_continues_their_positions(mtp_model, rid, runs):
+    """The proposer alone, chunks by hand in slot 0: "r" prefills 10 tokens, then holds 3 decode rows; the
+    slot's next chunk, at the held end and drafting, runs them with its own when it is "r"'s, and drops
+    them when it is another request's (one resuming from a prefix-cache point exactly there)."""
+    config = mtp_model.config
+    proposer = MTPProposer(mtp_model, num_slots=1, max_model_len=MAX_LEN, k=MTP_K)
+    log = LayerLog(proposer)
+
+    def computed(request_id: str, tokens: tuple[int, ...], position: int, draft_next: bool = False) -> ComputedChunk:
+        chunk = ScheduledChunk(request_id, 0, (), tokens, position, True, (), SamplingParams(), 0, draft_next=draft_next)
+        return ComputedChunk(chunk, len(tokens), 7, torch.randn(len(tokens), config.hc_mult, config.hidden_size))
+
+    proposer.propose([computed("r", (5,) * 10, 0)])
+    for position in (10, 11, 12):
+        assert proposer.propose([computed("r", (7,), position)]) == {}
+    drafts = proposer.propose([computed(rid, (7,), 13, draft_next=True)])
+    log.close()
+    assert [ran for _, ran in log.steps] == [{0: (0, 10)}, {}, {}, {}, {0: runs}]
+    assert len(drafts[rid]) == MTP_K
+
+
+def test_the_held_rows_are_counted_with_the_proposers_bytes(mtp_model):
+    """The buffer is PROBE_EVERY + K - 1 rows of the target's streams a slot, and the proposer's bytes, the
+    engine's and the plan's, count it to the byte."""
+    config, slots = mtp_model.config, 5
+    assert PROBE_EVERY_STEPS == PROBE_EVERY and held_rows(MTP_K) == PROBE_EVERY + MTP_K - 1
+    proposer = MTPProposer(mtp_model, num_slots=slots, max_model_len=MAX_LEN, k=MTP_K)
+    assert proposer.held_streams.shape == (slots, held_rows(MTP_K), config.hc_mult, config.hidden_size)
+    held = slots * held_rows(MTP_K) * config.hc_mult * config.hidden_size * 4  # float32
+    assert proposer.device_bytes() == proposer.cache.nbytes() + held
+    assert mtp_proposer_bytes(config, slots, MAX_LEN, MTP_K, torch.float32) == proposer.device_bytes()
+    half = allocate_mtp_cache(config, slots, MAX_LEN, dtype=torch.bfloat16, device="meta", draft_tokens=MTP_K)
+    assert mtp_proposer_bytes(config, slots, MAX_LEN, MTP_K, torch.bfloat16) == half.nbytes() + held // 2
 
 
 def test_dspark_drafting_off_and_back_on_keeps_greedy_and_drafts_as_afresh(dirs):  # noqa: F811

@@ -13,9 +13,11 @@ any draft safe: a proposer changes how many tokens a step yields, never which.
   rows are left out (the layer's ring has K spare rows, so the next step's rows overwrite them, as the
   target's do). The last kept row of a sampling chunk predicts the first draft; K - 1 chained steps the
   rest (argmax: deterministic drafts, which the runner's rejection sampling against a one-hot draft
-  verifies exactly). A prompt chunk's last row waits for the next chunk's first token (`_waiting`).
-  After a sampling chunk whose `draft_next` is off (the draft policy has its next chunk verify none) the
-  rows still go through the layer, no logits row, no chain, no read to the host: see MTPProposer.
+  verifies exactly). A prompt chunk's last row waits for the next chunk's first token. A decode chunk
+  whose `draft_next` is off (the draft policy has its next chunk verify none) runs nothing: its rows
+  wait in a bounded buffer a slot (`held_rows`) until the slot drafts again, overflows or runs a
+  prompt chunk, and then go through the layer in one chunk, so its cache ends as if they had not
+  waited: see MTPProposer.
 - `DSparkProposer` ("dspark", V4.1 and V4-Flash-0731; worker/dspark.py): DSpark's draft layers
   (models/dspark.py), a block of drafts a step from the target's taps (the mean stream entering V4.1's
   `tap_layers`, leaving V4's) and the drawn token.
@@ -33,6 +35,7 @@ import torch
 from contract import ScheduledChunk
 from models import DecodeBatch, DeepseekV4, ForwardBatch, ModelConfig
 from models.mtp import allocate_mtp_cache, greedy_drafts
+from models.transfer import on_device
 from worker.dspark import DSparkProposer
 
 PROPOSER_METHODS = ("mtp", "ngram", "dspark")
@@ -122,19 +125,53 @@ class NgramProposer:
         return ()
 
 
+# scheduler/spec_policy.py PROBE_EVERY (worker/ does not import scheduler/; tests/test_spec_drafting_off.py ties them)
+PROBE_EVERY_STEPS = 16
+
+
+def held_rows(k: int) -> int:
+    """Rows of layer input an MTP proposer drafting `k` tokens holds a slot (see MTPProposer): a sequence
+    that takes drafts drafts at least once in PROBE_EVERY steps, and the PROBE_EVERY - 1 chunks before
+    that draft nothing, the first with up to k accepted drafts (k + 1 rows), the others with none (1 row:
+    nothing was proposed after the chunk before them)."""
+    return PROBE_EVERY_STEPS + k - 1
+
+
+@dataclass
+class _Held:
+    """The rows a slot holds for its layer, in its buffer's first `rows` rows: the request's rows from
+    `position` on, `tokens` the token after each (the last row's missing while it waits for its token)."""
+
+    request_id: str
+    position: int
+    tokens: list[int]
+    rows: int
+
+    @property
+    def end(self) -> int:  # the position after the last held row: the next chunk's, if it continues
+        return self.position + self.rows
+
+
 class MTPProposer:
     """V4's MTP layer as the draft model, with its own cache (one window ring per request slot).
 
-    After a sampling chunk whose `draft_next` is off it runs the layer over the chunk's rows that stand as
-    over a prompt chunk's (what writes its cache), and skips the head, the K - 1 chained steps and the
-    read of the drafts to the host (the sync): that leaves the cache exactly as drafting would (the chain
-    writes only spare rows past the last kept one, which the next step's rows overwrite), at ~40% of a
-    drafting step's proposer time (tiny V4, CPU, K = 2, 1 and 8 sequences). Skipping the layer too and
-    catching the cache up when drafting resumes would need the layer's inputs of every skipped row, the
-    target's streams [hc_mult, hidden], copied out each step into a ring per slot: a window of them for a
-    sliding MTP layer (4 MiB a slot on V4-Flash, held beside the cache), every row since the last draft
-    for a compressed one (unbounded); and the policy turns drafting off at large batches, where one chunk
-    in PROBE_EVERY still probes, so nearly every step would run a catch-up forward anyway.
+    A decode chunk whose `draft_next` is off (the draft policy has its next chunk verify none) runs no
+    device work of the proposer beyond one copy: its rows that stand (the target's streams [hc_mult,
+    hidden] there, and the token after each, a host int) are held in a per-slot buffer of the layer's
+    inputs, `held_rows(K)` rows a slot. The next chunk of the slot that drafts (a probe step, drafting
+    turned back on), that does not fit, or that is not a decode (a prompt chunk: prefill is compute-bound,
+    its rows run through the layer as they come) runs the layer over the held rows and its own, in one
+    chunk, in order: the layer's cache ends exactly as if every row had run as it came (the chain writes
+    only spare rows past the last kept one, which the next rows the layer runs overwrite), so drafts
+    equal the layer run afresh. With whole-step probes a sequence that takes drafts drafts at least every
+    PROBE_EVERY steps, which `held_rows` covers; one that never does (a grammar, min_tokens) or misses a
+    probe runs the layer once its rows would overflow the buffer. A prompt chunk's last row waits in the
+    buffer too, for the next chunk's first token. Held rows belong to a request and a position: the
+    slot's next chunk drops them unless it is the same request's, continuing at their end (a restart
+    after preemption, a new request in the slot after an abort or a finish, one resuming from a
+    prefix-cache point exactly at their end), so no stale row ever reaches the layer. Nothing on this path reads the device from the host. The
+    buffer is device memory beside the cache (`device_bytes`, `mtp_proposer_bytes`): on V4-Flash (hc_mult
+    4, hidden 4096, bf16) 32 KiB a row, 544 KiB a slot at K = 2, where the layer's own cache is ~130 KiB.
     """
 
     needs_streams = True
@@ -149,44 +186,51 @@ class MTPProposer:
         self.cache = allocate_mtp_cache(model.config, num_slots, max_model_len, dtype=dtype, device=device,
                                         draft_tokens=k)
         config = model.config
-        # a prompt chunk's last row (its streams, position) until the next chunk brings the token after it
-        self._waiting_streams = torch.zeros(num_slots, config.hc_mult, config.hidden_size, dtype=dtype, device=device)
-        self._waiting_position: list[int | None] = [None] * num_slots
+        self.held_streams = torch.zeros(num_slots, held_rows(k), config.hc_mult, config.hidden_size, dtype=dtype,
+                                        device=device)
+        self._held: list[_Held | None] = [None] * num_slots
 
     def device_bytes(self) -> int:
-        waiting = self._waiting_streams
-        return self.cache.nbytes() + waiting.numel() * waiting.element_size()
+        held = self.held_streams
+        return self.cache.nbytes() + held.numel() * held.element_size()
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
-        sequences, inputs, sampling = [], [], []
+        sequences, inputs, sampling, holds = [], [], [], []
         for item in computed:
             if item.streams is None:  # nothing forwarded (a whole prompt cached)
                 continue
             chunk, slot = item.chunk, item.chunk.slot
+            held = self._continued(chunk)
+            if held.rows > len(held.tokens):  # the waiting row's token is this chunk's first
+                held.tokens.append(item.forwarded[0])
             rows = item.streams[: item.kept]
-            following = list(item.forwarded[1: item.kept]) + ([item.next_token] if item.next_token is not None else [])
-            position = chunk.position
-            if self._waiting_position[slot] == position - 1:  # the waiting row's next token is this chunk's first
-                rows = torch.cat([self._waiting_streams[slot][None], rows])
-                following = [item.forwarded[0], *following]
-                position -= 1
-            self._waiting_position[slot] = None
+            tokens = held.tokens + list(item.forwarded[1: item.kept])
+            if item.next_token is not None:
+                tokens.append(item.next_token)
+            total = held.rows + item.kept
+            if self._holds(item, total):
+                holds.append((slot, held.rows, rows))
+                self._held[slot] = _Held(chunk.request_id, held.position, tokens, total)
+                continue
+            if held.rows:
+                inputs.append(self.held_streams[slot, : held.rows])
+            inputs.append(rows[: len(tokens) - held.rows])
             if item.next_token is None:  # the last row's next token comes with the next chunk
-                self._waiting_streams[slot] = rows[-1]
-                self._waiting_position[slot] = position + len(following)
-                rows = rows[:-1]
-            if following:
-                sequences.append((slot, following, position))
-                inputs.append(rows)
+                holds.append((slot, 0, rows[-1:]))
+                self._held[slot] = _Held(chunk.request_id, held.position + len(tokens), [], 1)
+            if tokens:
+                sequences.append((slot, tokens, held.position))
                 if item.next_token is not None and chunk.draft_next:
                     sampling.append((len(sequences) - 1, chunk.request_id))
+        streams = torch.cat(inputs) if inputs else None  # read the held rows before the holds overwrite any
+        self._hold(holds)
         if not sampling:
             if sequences:
-                self.layer(torch.cat(inputs), ForwardBatch.build(sequences), self.cache)
+                self.layer(streams, ForwardBatch.build(sequences), self.cache)
             return {}
         batch = ForwardBatch.build(sequences, logits=[[len(tokens) - 1] if any(i == index for i, _ in sampling) else []
                                                       for index, (_, tokens, _) in enumerate(sequences)])
-        logits, out = self.layer(torch.cat(inputs), batch, self.cache)
+        logits, out = self.layer(streams, batch, self.cache)
         firsts = logits.argmax(dim=-1)
         drafts = firsts[:, None]
         if self.k > 1:
@@ -200,13 +244,37 @@ class MTPProposer:
         values = drafts.tolist()
         return {request_id: tuple(values[row]) for row, (_, request_id) in enumerate(sampling)}
 
+    def _continued(self, chunk: ScheduledChunk) -> _Held:
+        """The rows the chunk's slot holds, taken out of it: its own when the chunk continues them, else none
+        (dropped: the slot's sequence restarted or another request took it)."""
+        held, self._held[chunk.slot] = self._held[chunk.slot], None
+        if held is None or held.request_id != chunk.request_id or held.end != chunk.position:
+            return _Held(chunk.request_id, chunk.position, [], 0)
+        return held
+
+    def _holds(self, item: ComputedChunk, rows: int) -> bool:
+        """Whether a chunk's rows wait in the buffer (`rows` with the held ones before them): a decode chunk
+        (one token, its drafts) drafting nothing next, while they fit."""
+        chunk = item.chunk
+        return (item.next_token is not None and not chunk.draft_next and len(chunk.token_ids) == 1
+                and rows <= self.held_streams.shape[1])
+
+    def _hold(self, holds: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Copies each (slot, first row, rows) into the buffer: one gather and one indexed copy a step."""
+        if not holds:
+            return
+        width = self.held_streams.shape[1]
+        index = [slot * width + first + i for slot, first, rows in holds for i in range(rows.shape[0])]
+        flat = self.held_streams.view(-1, *self.held_streams.shape[2:])
+        flat.index_copy_(0, on_device(index, torch.long, flat.device), torch.cat([rows for _, _, rows in holds]))
+
 
 def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len: int, k: int, dtype: torch.dtype) -> int:
     """MTPProposer.device_bytes() for a model of `model_config` without building it (the layer's cache
-    on the meta device, and the waiting rows): what `python -m server plan` counts."""
+    on the meta device, and the held rows): what `python -m server plan` counts."""
     cache = allocate_mtp_cache(model_config, num_slots, max_model_len, dtype=dtype, device="meta", draft_tokens=k)
-    waiting = num_slots * model_config.hc_mult * model_config.hidden_size * dtype.itemsize
-    return cache.nbytes() + waiting
+    held = num_slots * held_rows(k) * model_config.hc_mult * model_config.hidden_size * dtype.itemsize
+    return cache.nbytes() + held
 
 
 def build_proposer(method: str, model: DeepseekV4, num_slots: int, max_model_len: int, k: int,
