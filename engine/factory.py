@@ -24,6 +24,7 @@ from engine.layout import (
     EngineConfigError,
     cache_dtype,
     check_kv_cache_dtype,
+    check_speculative,
     ensure_default_model,
     hot_tokens,
     max_model_len,
@@ -49,9 +50,9 @@ from engine.prefix_catalog import (
 from engine.structured_outputs import GrammarVocabulary, StructuredOutputs
 from engram_store.build import RESIDENCIES
 from engram_store.store import EngramOptions
-from models import SINGLE, ConfigError, ModelConfig, TensorParallel, load_model
+from models import SINGLE, ModelConfig, TensorParallel, load_model
 from models.cache import page_granularity, stored_kv_cache_dtype
-from models.dspark import DSparkConfig, attach_dspark
+from models.dspark import attach_dspark
 from models.dummy_weights import build_dummy_model
 from models.expert_offload import LayerOffload
 from scheduler import Scheduler
@@ -169,39 +170,6 @@ def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None
             f"scheduler.block_tokens {config.scheduler.block_tokens} must be a multiple of {unit} for this model "
             "(its compress rates)"
         )
-
-
-def check_speculative(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
-    have; dspark with a DSpark checkpoint of this model (V4.1's, or V4-Flash-0731's on V4: models/dspark.py)."""
-    speculative = config.runtime.speculative_config
-    if speculative is None:
-        return
-    if model_config.is_v41 and speculative.method == "mtp":
-        raise EngineConfigError(
-            f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir} is DeepSeek-V4.1,"
-            " which drafts with DSpark's layers; use method dspark (its draft checkpoint as model) or ngram")
-    if speculative.method == "dspark":
-        check_dspark(config, model_config)
-    if speculative.method == "mtp" and not model_config.num_nextn_predict_layers:
-        raise EngineConfigError(
-            f"runtime.speculative_config (--speculative-config) method mtp: {config.model_dir}'s config.json has no"
-            " MTP layer (num_nextn_predict_layers 0); use method ngram")
-
-
-def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
-    """The directory `model` names holds a DSpark draft of this model (V4 or V4.1 alike), whose block has
-    room for the drafts."""
-    speculative = config.runtime.speculative_config
-    try:
-        draft = DSparkConfig.from_file(Path(speculative.model) / "config.json", model_config)
-    except ConfigError as exc:
-        raise EngineConfigError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a"
-                                f" DSpark draft of {config.model_dir} is needed: {exc}") from exc
-    if speculative.num_speculative_tokens > draft.block_size:
-        raise EngineConfigError(
-            f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {speculative.num_speculative_tokens}"
-            f": the DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
 
 
 def build_proposer_for(config: "ServeConfig", model: torch.nn.Module) -> DraftProposer | None:

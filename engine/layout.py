@@ -15,7 +15,7 @@ import torch
 from contract import PrefixTierLimits
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.memory_plan import RecordLayout, prefix_tier_limits, record_layout
-from models import ModelCache, ModelConfig
+from models import ConfigError, ModelCache, ModelConfig
 from models.cache import stored_kv_cache_dtype
 from models.dspark import DSparkConfig, ring_bytes
 from models.host_tier import HostTierSpec
@@ -80,6 +80,54 @@ def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> No
         else:
             log.info("memory.kv_cache_dtype fp8: compressed KV entries and index keys as float8_e4m3fn with a"
                      " scale per 64 channels, the entries' RoPE channels in bf16 (lossy, as vLLM's fp8)")
+
+
+def check_speculative(config: "ServeConfig", model_config: ModelConfig, model_json: Path | None = None) -> None:
+    """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
+    have (`check_mtp`); dspark with a DSpark checkpoint of this model (V4.1's, or V4-Flash-0731's on V4:
+    models/dspark.py)."""
+    speculative = config.runtime.speculative_config
+    if speculative is None:
+        return
+    if speculative.method == "mtp":
+        check_mtp(config, model_config, model_json)
+    if speculative.method == "dspark":
+        check_dspark(config, model_config)
+
+
+def check_mtp(config: "ServeConfig", model_config: ModelConfig, model_json: Path | None = None) -> None:
+    """Method mtp needs V4's own MTP layer: not V4.1 (DSpark drafts it), not a checkpoint without one, and
+    not V4-Flash-0731, whose `mtp.*` tensors are a DSpark draft (its config.json, `model_json` or the
+    model directory's, names DSpark's keys)."""
+    key = "runtime.speculative_config (--speculative-config) method mtp"
+    if model_config.is_v41:
+        raise EngineConfigError(f"{key}: {config.model_dir} is DeepSeek-V4.1, which drafts with DSpark's layers;"
+                                " use method dspark (its draft checkpoint as model) or ngram")
+    if not model_config.num_nextn_predict_layers:
+        raise EngineConfigError(f"{key}: {config.model_dir}'s config.json has no MTP layer"
+                                " (num_nextn_predict_layers 0); use method ngram")
+    path = model_json or config.model_dir / "config.json"
+    try:
+        DSparkConfig.from_file(path, model_config)
+    except (ConfigError, OSError):
+        return  # not a DSpark draft: its mtp.* layers are V4's MTP layers
+    raise EngineConfigError(f"{key}: {config.model_dir}'s mtp.* layers are a DSpark draft (V4-Flash-0731);"
+                            " use method dspark with this directory as model")
+
+
+def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
+    """The directory `model` names holds a DSpark draft of this model (V4 or V4.1 alike), whose block has
+    room for the drafts."""
+    speculative = config.runtime.speculative_config
+    try:
+        draft = DSparkConfig.from_file(Path(speculative.model) / "config.json", model_config)
+    except ConfigError as exc:
+        raise EngineConfigError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a"
+                                f" DSpark draft of {config.model_dir} is needed: {exc}") from exc
+    if speculative.num_speculative_tokens > draft.block_size:
+        raise EngineConfigError(
+            f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {speculative.num_speculative_tokens}"
+            f": the DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
 
 
 def hot_tokens(config: "ServeConfig") -> int | None:

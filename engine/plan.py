@@ -43,6 +43,7 @@ from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
 from engine.layout import (
     EngineConfigError,
     check_kv_cache_dtype,
+    check_mtp,
     draft_state_bytes,
     ensure_default_model,
     max_model_len,
@@ -148,7 +149,7 @@ def draft_config_json(model: str) -> Path:
 def dspark_draft(config: ServeConfig, model_config: ModelConfig, model_json: Path
                  ) -> tuple[DSparkConfig, Path] | None:
     """The DSpark draft --speculative-config names (its config and config.json), checked as the engine
-    checks it at start (engine/factory.py check_dspark); None when another method drafts, or none."""
+    checks it at start (engine/layout.py check_dspark); None when another method drafts, or none."""
     speculative = config.runtime.speculative_config
     if speculative is None or speculative.method != "dspark":
         return None
@@ -243,6 +244,11 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
         raise PlanRefused(_without(config, config_path, model_json, unplannable))
     device, ranks = plan_device(config), config.parallel.tensor_parallel_size
     dtype = resolve_dtype(config, device)
+    if config.runtime.drafts_with_mtp:  # the engine's check, so what it would refuse is refused by its key
+        try:
+            check_mtp(config, ModelConfig.from_file(model_json), model_json)
+        except (EngineConfigError, ConfigError) as error:
+            raise ConfigFileError(str(error)) from error
     try:
         model_config, weights = weight_tensors(model_json, config.model.quantization, dtype,
                                                config.model.load_format, mtp=config.runtime.drafts_with_mtp)

@@ -419,7 +419,7 @@ def test_a_bad_dspark_config_is_a_config_error_naming_the_key(value, named):
 
 
 def test_the_engine_refuses_a_draft_that_is_not_a_dspark_checkpoint_of_its_model(dirs, tmp_path):
-    from engine.factory import EngineConfigError, check_speculative
+    from engine.layout import EngineConfigError, check_speculative
 
     target, draft_dir = dirs
     model_config = ModelConfig.from_file(target / "config.json")

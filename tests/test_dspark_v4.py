@@ -335,7 +335,7 @@ def test_the_plan_counts_the_v4_draft_as_the_engine_holds_it(dirs, tmp_path, qua
 
 
 def test_the_engine_takes_a_v4_draft_and_refuses_one_that_is_not_its_targets(dirs, tmp_path):
-    from engine.factory import EngineConfigError, check_speculative
+    from engine.layout import EngineConfigError, check_speculative
 
     target, draft_dir = dirs
     model_config = ModelConfig.from_file(target / "config.json")
@@ -350,6 +350,10 @@ def test_the_engine_takes_a_v4_draft_and_refuses_one_that_is_not_its_targets(dir
             check_speculative(config_of({"method": "dspark", "num_speculative_tokens": k, "model": str(model)}, target),
                               model_config)
         assert "--speculative-config" in str(error.value) and named in str(error.value), str(error.value)
+    # method mtp on a checkpoint whose mtp.* layers are V4-Flash-0731's DSpark draft: refused at start
+    with pytest.raises(EngineConfigError, match="method mtp.*DSpark draft"):
+        check_speculative(config_of({"method": "mtp", "num_speculative_tokens": 2}, draft_dir),
+                          ModelConfig.from_file(draft_dir / "config.json"))
     listed = json.loads((draft_dir / "config.json").read_text())
     listed["layer_types"][-1] = "compressed_sparse_attention"
     with pytest.raises(ConfigError, match="layer_types of the DSpark stages"):
