@@ -107,6 +107,17 @@ def server_process(
             process.kill()
 
 
+def dropped_stream(llm, model: str, prompt: str) -> None:
+    """A streamed completion the client drops after its third chunk: an abort mid-decode, which must
+    cost the requests beside it nothing."""
+    stream = llm.completions.create(model=model, prompt=prompt, max_tokens=200, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for index, _ in enumerate(stream):
+        if index == 2:
+            stream.close()
+            return
+
+
 def settled_metrics(base: str, *names: str, timeout: float = 30) -> tuple[float, ...]:
     """Each metric of `names` (full names, e.g. "vllm:num_preemptions_total") summed over its series, from
     one scrape taken once the engine is idle as its stats say and they stopped changing over a stats

@@ -26,7 +26,7 @@ from models import ForwardBatch, ModelConfig, load_model
 from models.dspark import BlockBatch, allocate_rings, attach_dspark, build_tiny_dspark
 from models.tiny import build_tiny_checkpoint, tiny_config_dict
 from tests.conftest import random_tokens
-from tests.serving import running_server, settled_metrics
+from tests.serving import dropped_stream, running_server, settled_metrics
 from tests.test_proposers import decode as decode_with_drafts
 from worker import ModelRunner
 from worker.dspark import DSparkProposer
@@ -194,13 +194,8 @@ def reference_block(w, target_w, raw, taps, first_token):
     """One sequence's drafts, logits and confidence logits: context taps [L, taps, D] at 0 .. L - 1, the
     block after them starting with `first_token`, as DeepSpec's DSpark on V4.1's layers defines them."""
     c, eps = raw, raw["rms_norm_eps"]
-    length, block, window = taps.shape[0], raw["dspark_block_size"], raw["sliding_window"]
-    seen = torch.arange(max(0, length - window), length)
-    main = rms(taps[seen].flatten(1) @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], eps)
-    positions = torch.arange(length, length + block)
-    ids = torch.tensor([first_token] + [raw["dspark_noise_token_id"]] * (block - 1))
-    streams = target_w["model.embed_tokens.weight"][ids][:, None].expand(-1, c["hc_mult"], -1)
-    pre = F.one_hot(torch.zeros(block, dtype=torch.long), c["hc_mult"]).float()
+    seen, main, positions, streams = block_inputs(w, target_w, raw, taps, first_token)
+    pre = F.one_hot(torch.zeros(len(positions), dtype=torch.long), c["hc_mult"]).float()
     for stage in range(raw["num_nextn_predict_layers"]):
         p = f"mtp.{stage}.block."
         context = fp8(rope(rms(main @ w[p + "self_attn.kv_proj.weight"].T, w[p + "self_attn.kv_norm.weight"], eps),
@@ -212,11 +207,29 @@ def reference_block(w, target_w, raw, taps, first_token):
         pre, post, comb, collapsed = hc_site(streams, w, p + "ffn_hc.", attn_pre, c)
         streams = merge(streams, post, comb, moe(rms(collapsed, w[p + "post_attention_layernorm.weight"], eps), w,
                                                  p + "mlp.", c, raw))
-    last = f"mtp.{raw['num_nextn_predict_layers'] - 1}."
-    hidden = (pre[:, :, None] * streams).sum(1)
-    base = rms(hidden, w[last + "norm.weight"], eps) @ target_w["lm_head.weight"].T
+    return markov_drafts(w, target_w, raw, (pre[:, :, None] * streams).sum(1),
+                         f"mtp.{raw['num_nextn_predict_layers'] - 1}.", first_token)
+
+
+def block_inputs(w, target_w, raw, taps, first_token):
+    """Where both drafts' plain statements start: the context rows the window keeps (`seen`), their taps
+    through main_proj and its norm (`main`), the block's positions, and its embedded streams
+    [block, hc_mult, D] (`first_token`, then the noise token)."""
+    length, block, window = taps.shape[0], raw["dspark_block_size"], raw["sliding_window"]
+    seen = torch.arange(max(0, length - window), length)
+    main = rms(taps[seen].flatten(1) @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], raw["rms_norm_eps"])
+    positions = torch.arange(length, length + block)
+    ids = torch.tensor([first_token] + [raw["dspark_noise_token_id"]] * (block - 1))
+    return seen, main, positions, target_w["model.embed_tokens.weight"][ids][:, None].expand(-1, raw["hc_mult"], -1)
+
+
+def markov_drafts(w, target_w, raw, hidden, last, first_token):
+    """Where both end: the last stage's (`last`, e.g. "mtp.2.") norm and the target's head on the block's
+    collapsed `hidden` [block, D], the Markov head applied left to right from `first_token` (greedy), and
+    the confidence head on [hidden, Markov embedding]; (drafts, logits, confidence logits)."""
+    base = rms(hidden, w[last + "norm.weight"], raw["rms_norm_eps"]) @ target_w["lm_head.weight"].T
     previous, drafts, logits, embedded = first_token, [], [], []
-    for j in range(block):
+    for j in range(hidden.shape[0]):
         embedded.append(w[last + "markov_head.embed.weight"][previous])
         logits.append(base[j] + w[last + "markov_head.head.weight"] @ embedded[-1])
         previous = int(logits[-1].argmax())
@@ -343,14 +356,6 @@ def served_workload(base: str) -> dict[str, object]:
         choice = reply.choices[0]
         return choice.model_extra["token_ids"], choice.logprobs.tokens, choice.logprobs.token_logprobs
 
-    def dropped_stream() -> None:
-        stream = llm.completions.create(model="spec", prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True})
-        for index, _ in enumerate(stream):
-            if index == 2:
-                stream.close()
-                return
-
     out: dict[str, object] = {}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         out["mixed"] = list(pool.map(greedy, PROMPTS))
@@ -360,7 +365,7 @@ def served_workload(base: str) -> dict[str, object]:
                                          extra_body={"ignore_eos": True})
         out["seeded"] = sampled.choices[0].text
         beside = pool.submit(greedy, PROMPTS[0], 20)
-        pool.submit(dropped_stream).result()
+        pool.submit(dropped_stream, llm, "spec", PROMPTS[2]).result()
         out["beside_abort"] = beside.result()
     return out
 

@@ -33,11 +33,13 @@ from tests.test_dspark import (
     K,
     ONE_THREAD,
     PROMPT,
+    block_inputs,
     check_draft_forward,
     config_of,
     decode,
     drafts_afresh,
     hc_site,
+    markov_drafts,
     merge,
     moe,
     release_spelling,
@@ -227,12 +229,7 @@ def v4_reference_block(w, target_w, raw, taps, first_token):
     [L, 3, D] at 0 .. L - 1 as the context, the block after them starting with `first_token`, three V4
     layers, then the last stage's hc_head, norm and the target's head, the Markov head left to right."""
     c, eps, rd = raw, raw["rms_norm_eps"], int(raw["head_dim"] * raw["partial_rotary_factor"])
-    length, block, window = taps.shape[0], raw["dspark_block_size"], raw["sliding_window"]
-    seen = torch.arange(max(0, length - window), length)
-    main = rms(taps[seen].flatten(1) @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], eps)
-    positions = torch.arange(length, length + block)
-    ids = torch.tensor([first_token] + [raw["dspark_noise_token_id"]] * (block - 1))
-    streams = target_w["model.embed_tokens.weight"][ids][:, None].expand(-1, c["hc_mult"], -1)
+    seen, main, positions, streams = block_inputs(w, target_w, raw, taps, first_token)
     routing = {"dspark_num_experts_per_tok": c["num_experts_per_tok"]}
     for stage in range(3):
         p = f"mtp.{stage}.block."
@@ -248,16 +245,7 @@ def v4_reference_block(w, target_w, raw, taps, first_token):
     flat = streams.flatten(1)
     mixes = (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)) @ w["mtp.2.hc_head.hc_fn"].T
     pre = torch.sigmoid(mixes * w["mtp.2.hc_head.hc_scale"] + w["mtp.2.hc_head.hc_base"]) + c["hc_eps"]
-    hidden = (pre[:, :, None] * streams).sum(1)
-    base = rms(hidden, w["mtp.2.norm.weight"], eps) @ target_w["lm_head.weight"].T
-    previous, drafts, logits, embedded = first_token, [], [], []
-    for j in range(block):
-        embedded.append(w["mtp.2.markov_head.embed.weight"][previous])
-        logits.append(base[j] + w["mtp.2.markov_head.head.weight"] @ embedded[-1])
-        previous = int(logits[-1].argmax())
-        drafts.append(previous)
-    features = torch.cat([hidden, torch.stack(embedded)], dim=-1)
-    return drafts, torch.stack(logits), (features @ w["mtp.2.confidence_head.proj.weight"].T)[:, 0]
+    return markov_drafts(w, target_w, raw, (pre[:, :, None] * streams).sum(1), "mtp.2.", first_token)
 
 
 def test_the_v4_draft_forward_is_the_0731_drafts_math(dirs):

@@ -29,7 +29,7 @@ from contract.config import ConfigFileError, load_config
 from contract.features import unbuilt_features
 from models.tiny import build_tiny_checkpoint
 from scheduler.scheduler import Scheduler
-from tests.serving import running_server, settled_metrics
+from tests.serving import dropped_stream, running_server, settled_metrics
 
 PROMPT = (5, 9, 2, 7, 11, 3, 8)
 
@@ -255,14 +255,6 @@ def stressed_workload(base: str) -> dict[str, object]:
                                        logprobs=1, extra_body={"ignore_eos": True})
         return reply.choices[0].logprobs.tokens, reply.choices[0].logprobs.token_logprobs
 
-    def dropped_stream() -> None:
-        stream = llm.completions.create(model="spec", prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True})
-        for index, _ in enumerate(stream):
-            if index == 2:
-                stream.close()
-                return
-
     out: dict[str, object] = {}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         out["crowded"] = list(pool.map(greedy, LONG_PROMPTS))
@@ -271,7 +263,7 @@ def stressed_workload(base: str) -> dict[str, object]:
                                          extra_body={"ignore_eos": True})
         out["seeded"] = sampled.choices[0].text
         beside = pool.submit(greedy, PROMPTS[0], 60)
-        pool.submit(dropped_stream).result()
+        pool.submit(dropped_stream, llm, "spec", PROMPTS[2]).result()
         out["beside_abort"] = beside.result()
     return out
 
