@@ -12,6 +12,7 @@ wherever the weights are, in their own storage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,27 @@ CHUNK = 128  # columns of one load: 4 scale groups of 32
 # bytes 2, 3 k-block 1's; the PTX decode takes the low nibbles of bytes (0, 1) to one bf16x2 register
 # and their high nibbles to another: b0 and b1 of mma.m16n8k16 for k-block 0.
 LOW = torch.tensor([[2 * t, 2 * t + 1, 16 + 2 * t, 17 + 2 * t] for t in range(4)])
+
+
+# activation column read at position p of a 128-column chunk by the Triton kernels on this layout
+# (kernels/moe_mxfp4.py): they take a row's 64 stored bytes in order, byte j = 16 t + 4 group + b
+# giving positions 2j (low nibble) and 2j + 1 (high), so position p holds column 32 group + LOW[t][b]
+# (+ 8 for the high nibble)
+_BYTE = torch.arange(64)
+CODE_ORDER = torch.stack((32 * ((_BYTE // 4) % 4) + LOW[_BYTE // 16, _BYTE % 4],) * 2, -1).flatten()
+CODE_ORDER[1::2] += 8
+
+
+def in_code_order(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, cols] (contiguous) with each 128-column chunk's columns in CODE_ORDER (a new tensor)."""
+    tokens, cols = x.shape
+    return x.view(tokens, cols // CHUNK, CHUNK)[:, :, _code_order(x.device)].reshape(tokens, cols)
+
+
+@functools.cache
+def _code_order(device: torch.device) -> torch.Tensor:
+    """CODE_ORDER on `device`, copied once (a copy from host memory cannot be captured in a CUDA graph)."""
+    return CODE_ORDER.to(device)
 
 
 @dataclass(frozen=True)

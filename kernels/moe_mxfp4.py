@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.mma_layout import CHUNK, MXFP4MMAExperts
+from kernels.mma_layout import CHUNK, MXFP4MMAExperts, in_code_order
 from kernels.moe_pairs import pair_table, sum_pairs
 from kernels.quant import MXFP4Experts
 from kernels.split_k import tile_counters
@@ -207,6 +207,10 @@ def _run(
     mma_layout = isinstance(gate_up, MXFP4MMAExperts)
     if mma_layout and any(Tile(*blocks[g]).block_k != CHUNK for g in ("gate_up", "down")):
         raise ValueError(f"experts in kernels/moe_mxfp4_mma.py's layout need K steps of {CHUNK}")
+    if mma_layout and upcast == "dot_scaled":
+        raise ValueError("upcast 'dot_scaled' takes scale groups of 32 columns in order, not kernels/mma_layout.py's")
+    if mma_layout:
+        x = in_code_order(x)
     shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting(), MMA_LAYOUT=mma_layout)
     tile = Tile(*blocks["gate_up"])
     shares, share_steps = _shares(dim, tile.block_k, splits[0])
@@ -247,16 +251,21 @@ if triton is not None:
     _SCAN = tl.constexpr(SCAN_CHUNK)
 
     @triton.jit
-    def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
         """[BLOCK_N, BLOCK_K / 2] code bytes (low nibble = even column) and [BLOCK_N, BLOCK_K / 32] E8M0
-        exponents -> the bf16 weights [BLOCK_N, BLOCK_K]. An E2M1 code's 3 magnitude bits placed at
+        exponents -> the bf16 weights [BLOCK_N, BLOCK_K]; byte j's scale is group j // 16's, or in
+        kernels/mma_layout.py's layout (BLOCK_K = 128) group (j // 4) % 4's. An E2M1 code's 3 magnitude bits placed at
         bits 9-11 of a float16 are its value times 2 ** -14 (exponent 0 lands on float16's subnormals,
         which convert exactly), its sign at bit 15: a few integer ops and one conversion a value."""
         byte = codes.to(tl.int16)
         nibble = tl.join(byte & 15, (byte >> 4) & 15).reshape(BLOCK_N, BLOCK_K)
         half = (((nibble & 7) << 9) | ((nibble & 8) << 12)).to(tl.float16, bitcast=True)
         scale = _e8m0_to_float(scales.to(tl.int32))
-        value = (half.to(tl.float32) * 16384.0).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
+        value = half.to(tl.float32) * 16384.0
+        if MMA_LAYOUT:
+            value = value.reshape(BLOCK_N, 4, 4, 8) * scale[:, None, :, None]
+        else:
+            value = value.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
         return value.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
 
     # 8 codes -> bf16 in 22 instructions, 8 of them on the integer ALU (shl and mul.lo run as IMAD on the
@@ -304,50 +313,48 @@ if triton is not None:
     }""")
 
     @triton.jit
-    def _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
         """The same weights as (even columns, odd columns), two [BLOCK_N, BLOCK_K / 2] tiles, from the PTX
         above (sm_90: mul.bf16x2). Each output element depends on its own code byte and scale only, so
         any 4 elements Triton packs into a call (pack=4) come out right, and each output register holds
         two neighbours of one tile, as the tensor cores read them: joined into columns 2j, 2j + 1 they
         would need a byte permute per two values, so the caller multiplies each tile by the matching
-        activation columns instead. Scales: E8M0 e -> the bf16 bits of 2 ** (e - 127): e << 7, or for
+        activation columns instead. Scales by byte as `_mxfp4_as_bf16`'s. E8M0 e -> the bf16 bits of 2 ** (e - 127): e << 7, or for
         e = 0 the subnormal 2 ** -127, 0x0040, the larger of the two (e = 255: inf, as the reference's)."""
         exponent = scales.to(tl.int32)
         scale = tl.maximum(exponent << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if MMA_LAYOUT:  # 4 lanes' runs of 4 bytes of each group
+            codes, scale = codes.reshape(BLOCK_N, 4, 4, 4), scale[:, None, :, None]
+        else:
+            codes, scale = codes.reshape(BLOCK_N, BLOCK_K // 32, 16), scale[:, :, None]
         even, odd = tl.inline_asm_elementwise(
-            _E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes.reshape(BLOCK_N, BLOCK_K // 32, 16), scale[:, :, None]],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            _E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=4,
         )
         return even.reshape(BLOCK_N, BLOCK_K // 2), odd.reshape(BLOCK_N, BLOCK_K // 2)
 
     @triton.jit
-    def _columns(BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
-        """The K offsets, from a step's start, of the decoded tile's columns (`_code_bytes`' byte j gives
-        columns 2j and 2j + 1, its low and high nibble): in order, or for codes in
-        kernels/moe_mxfp4_mma.py's layout, byte j = 16 grp + 4 t + b (as `_code_bytes` reorders them)
-        holds codes LOW[t][b] and LOW[t][b] + 8 of 32-column group grp, where LOW[t][b] = 2 t + b % 2
-        + 16 (b // 2)."""
-        column = tl.arange(0, BLOCK_K)
+    def _code_rows(rows, MMA_LAYOUT: tl.constexpr):
+        """The weight rows whose outputs gate_up writes at output columns `rows`: the same, or for
+        kernels/moe_mxfp4_mma.py's layout the order of `mma_layout.code_order` in each 128 (so down
+        reads its activations in its codes' order with plain loads)."""
         if MMA_LAYOUT:
-            byte = column // 2
-            lane, b = (byte // 4) % 4, byte % 4
-            return (byte // 16) * 32 + 2 * lane + b % 2 + 16 * (b // 2) + 8 * (column % 2)
-        return column
+            byte, high = (rows % 128) // 2, rows % 2
+            lane, group, b = byte // 16, (byte // 4) % 4, byte % 4
+            return rows - rows % 128 + 32 * group + 2 * lane + b % 2 + 16 * (b // 2) + 8 * high
+        return rows
 
     @triton.jit
     def _code_bytes(codes_ptr, rows, in_rows, start, n_cols, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
-        """W[rows, start:start + BLOCK_K]'s code bytes [len(rows), BLOCK_K / 2], byte j holding two codes
-        of 32-column group j // 16 (so the scales broadcast over runs of 16 bytes) in the columns
-        `_columns` says. Released layout: columns 2j, 2j + 1. kernels/moe_mxfp4_mma.py's layout (BLOCK_K =
-        its CHUNK): row r's 64 bytes of a chunk lie at tile r // 8, row r % 8, lane t's 16 bytes holding
-        4 bytes of each group; read in group order (byte 16 grp + 4 t + b from 16 t + 4 grp + b)."""
+        """W[rows, start:start + BLOCK_K]'s code bytes [len(rows), BLOCK_K / 2] as stored, byte j holding
+        the codes of columns 2j, 2j + 1 of the activations as the kernels read them. Released layout:
+        those columns. kernels/moe_mxfp4_mma.py's layout (BLOCK_K = its CHUNK): row r's 64 bytes of a
+        chunk lie at tile r // 8, row r % 8, and the activations come in `mma_layout.code_order`."""
         half = start // 2 + tl.arange(0, BLOCK_K // 2)
         mask = in_rows[:, None] & (half < n_cols // 2)[None, :]
         if MMA_LAYOUT:
-            byte = tl.arange(0, BLOCK_K // 2)
-            stored = 16 * ((byte // 4) % 4) + 4 * (byte // 16) + byte % 4
             tile = ((rows // 8).to(tl.int64) * (n_cols // BLOCK_K) + start // BLOCK_K) * (4 * BLOCK_K) + (rows % 8) * (BLOCK_K // 2)
-            return tl.load(codes_ptr + tile[:, None] + stored[None, :], mask=mask, other=0)
+            return tl.load(codes_ptr + tile[:, None] + tl.arange(0, BLOCK_K // 2)[None, :], mask=mask, other=0)
         return tl.load(codes_ptr + rows[:, None] * (n_cols // 2) + half[None, :], mask=mask, other=0)
 
     @triton.jit
@@ -356,7 +363,7 @@ if triton is not None:
                     MMA_LAYOUT: tl.constexpr):
         """acc + a [BLOCK_M, BLOCK_K] @ W[rows, start:start + BLOCK_K].T for MXFP4 rows of `n_cols`
         columns (`rows` counted from the stacked experts' first row; columns past n_cols read as 0), a's
-        columns in `_columns`' order."""
+        columns in `_code_bytes`' order."""
         group = start // 32 + tl.arange(0, BLOCK_K // 32)
         codes = _code_bytes(codes_ptr, rows, in_rows, start, n_cols, BLOCK_K, MMA_LAYOUT)
         scales = tl.load(scales_ptr + rows[:, None] * (n_cols // 32) + group[None, :],
@@ -364,10 +371,10 @@ if triton is not None:
         if UPCAST == "dot_scaled":
             return tl.dot_scaled(a, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
         if UPCAST == "ptx":  # the sum over K in two halves: even columns, then odd ones
-            even, odd = _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N, BLOCK_K)
+            even, odd = _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N, BLOCK_K, MMA_LAYOUT)
             a_even, a_odd = tl.split(a.reshape(a.shape[0], BLOCK_K // 2, 2))
             return tl.dot(a_odd, tl.trans(odd), tl.dot(a_even, tl.trans(even), acc))
-        w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K)
+        w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K, MMA_LAYOUT)
         if F32_DOT:  # Triton's interpreter multiplies bf16 tiles wrongly; float32 holds these values exactly
             return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         return tl.dot(a, tl.trans(w), acc)
@@ -428,12 +435,14 @@ if triton is not None:
         their float32 sums to out[share, pair, rows] and [..., inter + rows], and with LAST_SUMS the
         tile's last share to finish (kernels/split_k.py) adds them in share order as
         _swiglu_shares_kernel does, into hidden; else the activation (and the routing weight) to
-        hidden[pair, rows] in bf16 (out is hidden then)."""
+        hidden[pair, rows] in bf16 (out is hidden then). In kernels/mma_layout.py's layout output column
+        `rows` is weight row `_code_rows(rows)`: hidden comes out in the order down's codes need."""
         limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         expert, pair, valid = _block_pairs(expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr,
                                            block_end_ptr, pairs, SORTED, BLOCK_M)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < inter
+        weight_rows = _code_rows(rows, MMA_LAYOUT)
         token = (pair // k).to(tl.int64)
         base = tl.maximum(expert, 0).to(tl.int64) * 2 * inter
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -444,12 +453,12 @@ if triton is not None:
         # no work: no K steps (a bound, not a branch, so the loop stays one the compiler pipelines)
         for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, dim), begin),
                            BLOCK_K):
-            cols = start + _columns(BLOCK_K, MMA_LAYOUT)
+            cols = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + token[:, None] * dim + cols[None, :], mask=valid[:, None] & (cols < dim)[None, :],
                         other=0.0)
-            gate = _accumulate(gate, a, codes_ptr, scales_ptr, base + rows, in_rows, start, dim,
+            gate = _accumulate(gate, a, codes_ptr, scales_ptr, base + weight_rows, in_rows, start, dim,
                                UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
-            up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + rows, in_rows, start, dim,
+            up = _accumulate(up, a, codes_ptr, scales_ptr, base + inter + weight_rows, in_rows, start, dim,
                              UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
         both = valid[:, None] & in_rows[None, :]
         if SPLIT:
@@ -502,7 +511,7 @@ if triton is not None:
         begin = tl.program_id(2) * share_steps * BLOCK_K
         for start in range(begin, tl.where(expert >= 0, tl.minimum(begin + share_steps * BLOCK_K, inter), begin),
                            BLOCK_K):
-            cols = start + _columns(BLOCK_K, MMA_LAYOUT)
+            cols = start + tl.arange(0, BLOCK_K)
             a = tl.load(hidden_ptr + row_of[:, None] * inter + cols[None, :],
                         mask=valid[:, None] & (cols < inter)[None, :], other=0.0)
             acc = _accumulate(acc, a, codes_ptr, scales_ptr, base + rows, in_rows, start, inter,

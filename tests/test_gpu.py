@@ -568,7 +568,7 @@ if triton is not None:
         rows = tl.arange(0, N)[:, None]
         codes = tl.load(codes_ptr + rows * (K // 2) + tl.arange(0, K // 2)[None, :])
         scales = tl.load(scales_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :])
-        even, odd = _mxfp4_as_bf16_ptx(codes, scales, N, K)
+        even, odd = _mxfp4_as_bf16_ptx(codes, scales, N, K, False)
         tl.store(out_ptr + rows * K + tl.arange(0, K)[None, :], tl.join(even, odd).reshape(N, K))
 
 
