@@ -207,8 +207,6 @@ def _run(
     mma_layout = isinstance(gate_up, MXFP4MMAExperts)
     if mma_layout and any(Tile(*blocks[g]).block_k != CHUNK for g in ("gate_up", "down")):
         raise ValueError(f"experts in kernels/moe_mxfp4_mma.py's layout need K steps of {CHUNK}")
-    if mma_layout and upcast == "dot_scaled":
-        raise ValueError("upcast 'dot_scaled' takes scale groups of 32 columns in order, not kernels/mma_layout.py's")
     if mma_layout:
         x = in_code_order(x)
     shared = dict(SORTED=table.SORTED, UPCAST=upcast, F32_DOT=_interpreting(), MMA_LAYOUT=mma_layout)
@@ -251,21 +249,16 @@ if triton is not None:
     _SCAN = tl.constexpr(SCAN_CHUNK)
 
     @triton.jit
-    def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    def _mxfp4_as_bf16(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """[BLOCK_N, BLOCK_K / 2] code bytes (low nibble = even column) and [BLOCK_N, BLOCK_K / 32] E8M0
-        exponents -> the bf16 weights [BLOCK_N, BLOCK_K]; byte j's scale is group j // 16's, or in
-        kernels/mma_layout.py's layout (BLOCK_K = 128) group (j // 4) % 4's. An E2M1 code's 3 magnitude bits placed at
+        exponents -> the bf16 weights [BLOCK_N, BLOCK_K]. An E2M1 code's 3 magnitude bits placed at
         bits 9-11 of a float16 are its value times 2 ** -14 (exponent 0 lands on float16's subnormals,
         which convert exactly), its sign at bit 15: a few integer ops and one conversion a value."""
         byte = codes.to(tl.int16)
         nibble = tl.join(byte & 15, (byte >> 4) & 15).reshape(BLOCK_N, BLOCK_K)
         half = (((nibble & 7) << 9) | ((nibble & 8) << 12)).to(tl.float16, bitcast=True)
         scale = _e8m0_to_float(scales.to(tl.int32))
-        value = half.to(tl.float32) * 16384.0
-        if MMA_LAYOUT:
-            value = value.reshape(BLOCK_N, 4, 4, 8) * scale[:, None, :, None]
-        else:
-            value = value.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
+        value = (half.to(tl.float32) * 16384.0).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]
         return value.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
 
     # 8 codes -> bf16 in 22 instructions, 8 of them on the integer ALU (shl and mul.lo run as IMAD on the
@@ -313,43 +306,38 @@ if triton is not None:
     }""")
 
     @triton.jit
-    def _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    def _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The same weights as (even columns, odd columns), two [BLOCK_N, BLOCK_K / 2] tiles, from the PTX
         above (sm_90: mul.bf16x2). Each output element depends on its own code byte and scale only, so
         any 4 elements Triton packs into a call (pack=4) come out right, and each output register holds
         two neighbours of one tile, as the tensor cores read them: joined into columns 2j, 2j + 1 they
         would need a byte permute per two values, so the caller multiplies each tile by the matching
-        activation columns instead. Scales by byte as `_mxfp4_as_bf16`'s. E8M0 e -> the bf16 bits of 2 ** (e - 127): e << 7, or for
+        activation columns instead. Scales: E8M0 e -> the bf16 bits of 2 ** (e - 127): e << 7, or for
         e = 0 the subnormal 2 ** -127, 0x0040, the larger of the two (e = 255: inf, as the reference's)."""
         exponent = scales.to(tl.int32)
         scale = tl.maximum(exponent << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        if MMA_LAYOUT:  # 4 lanes' runs of 4 bytes of each group
-            codes, scale = codes.reshape(BLOCK_N, 4, 4, 4), scale[:, None, :, None]
-        else:
-            codes, scale = codes.reshape(BLOCK_N, BLOCK_K // 32, 16), scale[:, :, None]
         even, odd = tl.inline_asm_elementwise(
-            _E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=4,
+            _E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes.reshape(BLOCK_N, BLOCK_K // 32, 16), scale[:, :, None]],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )
         return even.reshape(BLOCK_N, BLOCK_K // 2), odd.reshape(BLOCK_N, BLOCK_K // 2)
 
     @triton.jit
     def _code_rows(rows, MMA_LAYOUT: tl.constexpr):
         """The weight rows whose outputs gate_up writes at output columns `rows`: the same, or for
-        kernels/moe_mxfp4_mma.py's layout the order of `mma_layout.code_order` in each 128 (so down
-        reads its activations in its codes' order with plain loads)."""
+        kernels/mma_layout.py's layout in its CODE_ORDER (each run of 4 as rows 0, 2, 1, 3), so down
+        reads its activations in its codes' order with plain loads."""
         if MMA_LAYOUT:
-            byte, high = (rows % 128) // 2, rows % 2
-            lane, group, b = byte // 16, (byte // 4) % 4, byte % 4
-            return rows - rows % 128 + 32 * group + 2 * lane + b % 2 + 16 * (b // 2) + 8 * high
+            return rows - rows % 4 + 2 * (rows % 2) + (rows % 4) // 2
         return rows
 
     @triton.jit
     def _code_bytes(codes_ptr, rows, in_rows, start, n_cols, BLOCK_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
         """W[rows, start:start + BLOCK_K]'s code bytes [len(rows), BLOCK_K / 2] as stored, byte j holding
-        the codes of columns 2j, 2j + 1 of the activations as the kernels read them. Released layout:
-        those columns. kernels/moe_mxfp4_mma.py's layout (BLOCK_K = its CHUNK): row r's 64 bytes of a
-        chunk lie at tile r // 8, row r % 8, and the activations come in `mma_layout.code_order`."""
+        the codes of columns 2j, 2j + 1 of the activations as the kernels read them, of scale group
+        j // 16 either way. Released layout: those columns. kernels/mma_layout.py's layout (BLOCK_K = its
+        CHUNK): row r's 64 bytes of a chunk lie at tile r // 8, row r % 8, and the activations come in
+        its CODE_ORDER."""
         half = start // 2 + tl.arange(0, BLOCK_K // 2)
         mask = in_rows[:, None] & (half < n_cols // 2)[None, :]
         if MMA_LAYOUT:
@@ -371,10 +359,10 @@ if triton is not None:
         if UPCAST == "dot_scaled":
             return tl.dot_scaled(a, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
         if UPCAST == "ptx":  # the sum over K in two halves: even columns, then odd ones
-            even, odd = _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N, BLOCK_K, MMA_LAYOUT)
+            even, odd = _mxfp4_as_bf16_ptx(codes, scales, BLOCK_N, BLOCK_K)
             a_even, a_odd = tl.split(a.reshape(a.shape[0], BLOCK_K // 2, 2))
             return tl.dot(a_odd, tl.trans(odd), tl.dot(a_even, tl.trans(even), acc))
-        w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K, MMA_LAYOUT)
+        w = _mxfp4_as_bf16(codes, scales, BLOCK_N, BLOCK_K)
         if F32_DOT:  # Triton's interpreter multiplies bf16 tiles wrongly; float32 holds these values exactly
             return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         return tl.dot(a, tl.trans(w), acc)

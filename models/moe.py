@@ -28,7 +28,7 @@ from kernels.moe import (
     experts_reference,
     grouped_mm_supported,
 )
-from kernels.mma_layout import MXFP4MMAExperts, mma_layout
+from kernels.mma_layout import MXFP4MMAExperts, mma_layout, small_scales
 from kernels.moe_mxfp4_mma import supported
 from kernels.router import SCORE_FUNCTIONS, route
 from models.config import HASH_MOE, ModelConfig
@@ -88,6 +88,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         mark_shards(self, gate_up_proj=shard, down_proj=shard)
         self.mma_layout = False  # packed codes laid out for kernels/moe_mxfp4_mma.py (`lay_out_for_mma`)
+        self.small_scales: dict[str, bool] = {}  # per leaf, once laid out: kernels/mma_layout.py's `small_scales`
 
     def keep_packed(self, leaf: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Holds `leaf` (gate_up_proj / down_proj) as released MXFP4 (codes [E, rows, cols / 2], E8M0
@@ -99,8 +100,10 @@ class Experts(nn.Module):
     def weights(self, leaf: str) -> ExpertWeights:
         if leaf in self._parameters:
             return self._parameters[leaf]
-        kind = MXFP4MMAExperts if self.mma_layout else MXFP4Experts
-        return kind(self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"])
+        codes, scales = self._buffers[f"{leaf}_codes"], self._buffers[f"{leaf}_scales"]
+        if self.mma_layout:
+            return MXFP4MMAExperts(codes, scales, self.small_scales[leaf])
+        return MXFP4Experts(codes, scales)
 
     def lay_out_for_mma(self) -> bool:
         """Re-lays the packed MXFP4 codes, in their own storage, for the CUDA decode kernel
@@ -115,6 +118,7 @@ class Experts(nn.Module):
             return False
         for leaf in LEAVES:
             self._buffers[f"{leaf}_codes"] = mma_layout(self._buffers[f"{leaf}_codes"], in_place=True)
+            self.small_scales[leaf] = small_scales(self._buffers[f"{leaf}_scales"])
         self.mma_layout = True
         return True
 

@@ -568,7 +568,7 @@ if triton is not None:
         rows = tl.arange(0, N)[:, None]
         codes = tl.load(codes_ptr + rows * (K // 2) + tl.arange(0, K // 2)[None, :])
         scales = tl.load(scales_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :])
-        even, odd = _mxfp4_as_bf16_ptx(codes, scales, N, K, False)
+        even, odd = _mxfp4_as_bf16_ptx(codes, scales, N, K)
         tl.store(out_ptr + rows * K + tl.arange(0, K)[None, :], tl.join(even, odd).reshape(N, K))
 
 
@@ -640,7 +640,8 @@ def test_mxfp4_decode_experts_replay_in_a_cuda_graph(kernel):
 def test_mxfp4_mma_experts_compiled_equal_the_reference(tokens):
     """kernels/moe_mxfp4_mma.py (CUDA C++ through CuPy's NVRTC): this rank holds experts [2, 6) of 8,
     ~15 pairs an expert at 40 tokens (a block of 16 and a second block), 1,020 pairs at 340 (up to
-    MAX_SCAN_PAIRS), K whole or in shares, routing weights before or after down; the tolerance is the
+    MAX_SCAN_PAIRS), K whole or in shares, routing weights before or after down; weights whose scales
+    all fit the one-multiply decode and weights 2 ** 12 larger, whose do not; the tolerance is the
     reference's bf16 rounding of gate / up. (Past MAX_SCAN_PAIRS the sorted Triton kernels take this
     layout: tests/test_triton_kernels.py.)"""
     pytest.importorskip("cupy")
@@ -650,10 +651,11 @@ def test_mxfp4_mma_experts_compiled_equal_the_reference(tokens):
     from kernels.quant import MXFP4Experts, quantize_mxfp4
 
     generator = torch.Generator("cuda").manual_seed(tokens)
-    for dim, inter in ((256, 128), (4096, 2048)):
-        gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(4, 2 * inter, dim, generator=generator, device="cuda") / dim**0.5))
+    for dim, inter, gain in ((256, 128, 1.0), (4096, 2048, 1.0), (256, 128, 2.0**12)):
+        gate_up = MXFP4Experts(*quantize_mxfp4(torch.randn(4, 2 * inter, dim, generator=generator, device="cuda") * gain / dim**0.5))
         down = MXFP4Experts(*quantize_mxfp4(torch.randn(4, dim, inter, generator=generator, device="cuda") / inter**0.5))
         tiled = from_released(gate_up.codes, gate_up.scales), from_released(down.codes, down.scales)
+        assert tiled[0].small_scales == (gain == 1.0) and tiled[1].small_scales
         x = torch.randn(tokens, dim, generator=generator, device="cuda").bfloat16()
         experts = torch.randint(0, 8, (tokens, 3), generator=generator, device="cuda")
         weights = torch.rand(tokens, 3, generator=generator, device="cuda")

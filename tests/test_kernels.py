@@ -32,20 +32,32 @@ def test_fp8_blocks_scale_each_block_independently():
 
 
 def test_mma_layout_gives_each_lane_its_tensor_core_operand_nibbles():
-    """kernels/mma_layout.py's load-time layout: a permutation (its inverse gives the released
-    codes back), and lane (g, t)'s byte b of group grp holds the group's codes LOW[t][b] (low nibble)
-    and LOW[t][b] + 8 (high) of row g: k = 2t, 2t + 1 | 2t + 8, 2t + 9 of each 16-column k-block,
-    the B operand of mma.m16n8k16."""
-    from kernels.mma_layout import LOW, mma_layout, released_layout
+    """kernels/mma_layout.py's load-time layout: a permutation (its inverse gives the released codes
+    back); lane (g, t)'s 16 bytes of a chunk are row g's scale group t, byte 2i holding columns
+    32 t + 4i and + 2 (low, high nibble), byte 2i + 1 columns + 1 and + 3 (so the low nibbles of
+    bytes 2i, 2i + 1 are b0 of mma.m16n8k16 for k-block i, the high ones b1); read in order, nibble by
+    nibble, they give the columns in CODE_ORDER (how the Triton kernels pair them with activations)."""
+    from kernels.mma_layout import CODE_ORDER, from_released, mma_layout, released_layout
+    from kernels.quant import quantize_mxfp4
 
     codes = torch.randint(0, 256, (3, 16, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     tiled = mma_layout(codes)
     assert tiled.shape == (3, 2, 4, 8, 64)
     assert torch.equal(released_layout(tiled), codes)
     nibbles = torch.stack((codes & 15, codes >> 4), -1).reshape(3, 16, 512)
-    for expert, tile, chunk, g, t, group, b in ((0, 0, 0, 0, 0, 0, 0), (1, 1, 3, 7, 3, 3, 3), (2, 0, 2, 5, 1, 2, 2)):
-        byte = int(tiled[expert, tile, chunk, g, t * 16 + group * 4 + b])
-        column = chunk * 128 + group * 32 + int(LOW[t][b])
-        assert int(LOW[t][b]) in (2 * t, 2 * t + 1, 16 + 2 * t, 17 + 2 * t)
-        assert byte & 15 == int(nibbles[expert, tile * 8 + g, column])
-        assert byte >> 4 == int(nibbles[expert, tile * 8 + g, column + 8])
+    for expert, tile, chunk, g, t, i in ((0, 0, 0, 0, 0, 0), (1, 1, 3, 7, 3, 7), (2, 0, 2, 5, 1, 2)):
+        lane = tiled[expert, tile, chunk, g, 16 * t : 16 * t + 16]
+        column = chunk * 128 + 32 * t + 4 * i
+        row = nibbles[expert, tile * 8 + g]
+        assert (int(lane[2 * i]) & 15, int(lane[2 * i]) >> 4) == (int(row[column]), int(row[column + 2]))
+        assert (int(lane[2 * i + 1]) & 15, int(lane[2 * i + 1]) >> 4) == (int(row[column + 1]), int(row[column + 3]))
+    in_order = torch.stack((tiled & 15, tiled >> 4), -1).reshape(3, 2, 4, 8, 128)  # [E, tile, chunk, g, position]
+    for chunk in range(4):
+        assert torch.equal(in_order[:, :, chunk].reshape(3, 16, 128), nibbles[:, :, chunk * 128 + CODE_ORDER])
+    in_place = codes.clone()
+    assert torch.equal(mma_layout(in_place, in_place=True), tiled)
+    weights = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(2))
+    assert from_released(*quantize_mxfp4(weights)).small_scales  # scales <= 2: the one-multiply decode
+    assert not from_released(*quantize_mxfp4(weights * 2.0**12)).small_scales
+
+

@@ -397,20 +397,12 @@ def test_mxfp4_tensor_core_experts_equal_the_reference():
 def test_mxfp4_tensor_core_experts_read_the_mma_layout():
     """The same kernels on weights laid out for kernels/moe_mxfp4_mma.py (a bf16 model on an sm_90 GPU
     holds them so; prefill chunks then run the sorted kernel on them): the codes are read as stored, x's
-    columns and gate_up's output rows (so down's input columns) follow the codes' permutation, and
+    columns and gate_up's output rows (so down's input columns) follow the layout's CODE_ORDER, and
     the products are the reference's; ~18 pairs an expert, expert 1 another rank's, K in 2 steps of
-    128. `tl.dot_scaled` takes scale groups in column order, so it is refused on this layout."""
-    from kernels.mma_layout import from_released
-    from kernels.moe_mxfp4 import experts_sorted
-    from kernels.quant import quantize_mxfp4
-
+    128."""
     blocks = {"gate_up": (16, 32, 128, 4), "down": (16, 32, 128, 4)}
     check_experts_mxfp4_tensor_cores(tokens=24, seed=4, dim=256, inter=128, routed=(1, 5), blocks=blocks,
-                                     upcasts=("bits",), mma_layout=True)
-    held = from_released(*quantize_mxfp4(torch.randn(2, 256, 128)))
-    with pytest.raises(ValueError, match="dot_scaled"):
-        experts_sorted(torch.zeros(1, 128, dtype=torch.bfloat16), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long),
-                       held, held, 0, 1.5, False, blocks=blocks, upcast="dot_scaled")
+                                     mma_layout=True)
 
 
 def test_mxfp4_scanning_experts_split_k_into_shares(monkeypatch):
