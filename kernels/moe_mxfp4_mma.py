@@ -104,10 +104,17 @@ def experts_mma(
     return sum_pairs(out, expert_of, weight, k, weight_before_down, residual)
 
 
+# K chunks a share takes at least: fewer leave too little streaming to pay for a CTA's scan and its
+# first loads in flight (one V4-Flash layer on the H200, eighteenth session: at one token 4 gate_up and
+# 2 down shares of 8 chunks took 50.2 us against 52.2 for 6 shares of 5 and 3)
+MIN_SHARE_CHUNKS = 8
+
+
 def _fill(pairs: int, held: int, rows: int, cols: int, build: Build) -> int:
-    """K shares so that the CTAs that work (one per expert with a pair, per block of rows) are ~4 an SM."""
+    """K shares so that the CTAs that work (one per expert with a pair, per block of rows) are ~4 an SM,
+    each share at least MIN_SHARE_CHUNKS chunks."""
     working = min(pairs, held) * (rows // build.block_rows)
-    return max(1, min(cols // CHUNK // 2, -(-4 * _multiprocessors() // working)))
+    return max(1, min(cols // CHUNK // MIN_SHARE_CHUNKS, -(-4 * _multiprocessors() // working)))
 
 
 @cache
