@@ -21,10 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cuda_mma import CHUNK, TILE_ROWS
 from kernels.quant import dequantize_mxfp4
-
-TILE_ROWS = 8  # rows of one mma tile (the B operand's n)
-CHUNK = 128  # columns of one load: a group of 32 columns for each of 4 lanes
 # E8M0 exponents up to this give scales 2 ** (e - 127) <= 2, for which the decode's bias 2 ** 126 and
 # the scale fold into one normal bf16 multiplier 2 ** (e - 1) (kernels/moe_mxfp4_mma.py)
 SMALL_SCALE_EXPONENT = 128

@@ -30,11 +30,11 @@ rows and columns in multiples of the CTA's rows and of 128 (`supported`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
 
+from kernels.cuda_mma import compiled, device_index, launch, multiprocessors, runs_on
 from kernels.mma_layout import CHUNK, TILE_ROWS, MXFP4MMAExperts
 from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, REDUCE_BLOCK, _swiglu_shares_kernel
 from kernels.moe_pairs import pair_table, sum_pairs
@@ -57,22 +57,9 @@ BUILD = Build()
 
 
 def supported(device: torch.device, rows: int, cols: int) -> bool:
-    """Whether the kernel runs here: a CUDA device of compute capability 9.0 or later, CuPy importable,
-    `rows` a multiple of the CTA's rows and `cols` of CHUNK."""
-    if device.type != "cuda" or rows % BUILD.block_rows or cols % CHUNK:
-        return False
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    return _cupy_importable()
-
-
-@cache
-def _cupy_importable() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the kernel runs here (kernels/cuda_mma.py's `runs_on`) for matrices of `rows` x `cols`:
+    rows a multiple of the CTA's rows and cols of CHUNK."""
+    return not rows % BUILD.block_rows and not cols % CHUNK and runs_on(device)
 
 
 def experts_mma(
@@ -114,20 +101,13 @@ def _fill(pairs: int, held: int, rows: int, cols: int, build: Build) -> int:
     """K shares so that the CTAs that work (one per expert with a pair, per block of rows) are ~4 an SM,
     each share at least MIN_SHARE_CHUNKS chunks."""
     working = min(pairs, held) * (rows // build.block_rows)
-    return max(1, min(cols // CHUNK // MIN_SHARE_CHUNKS, -(-4 * _multiprocessors() // working)))
-
-
-@cache
-def _multiprocessors() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, min(cols // CHUNK // MIN_SHARE_CHUNKS, -(-4 * multiprocessors(torch.cuda.current_device()) // working)))
 
 
 def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: int, shares: int,
           build: Build) -> torch.Tensor:
     """float32 [shares, pairs, rows]: pair p's row of act[p // div] times its expert's matrix, K in shares
     (rows of other ranks' pairs are left unwritten)."""
-    import cupy
-
     if act.dtype != torch.bfloat16:
         raise ValueError(f"the MXFP4 mma experts take bf16 activations, got {act.dtype}")
     if act.data_ptr() % 16:
@@ -140,29 +120,14 @@ def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: i
     per = -(-chunks // max(1, min(shares, chunks)))
     shares = -(-chunks // per)
     out = torch.empty(shares, pairs, rows, dtype=torch.float32, device=act.device)
-    device = act.device.index if act.device.index is not None else torch.cuda.current_device()
-    # CuPy's current device is its own, not torch's (a tensor-parallel rank's is not device 0): its
-    # module is loaded, and the kernel launched on torch's stream, in the activations' device's context
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
-        _function(build, w.small_scales, device)(
-            (pairs, rows // build.block_rows, shares), (128,),
-            (np.uint64(act.data_ptr()), np.uint64(expert_of.data_ptr()), np.uint64(w.codes.data_ptr()),
-             np.uint64(w.scales.data_ptr()), np.uint64(out.data_ptr()), np.int32(pairs), np.int32(div),
-             np.int32(rows), np.int32(cols), np.int32(per)),
-        )
+    device = device_index(act)
+    # FUSED_SCALE: the weights' scales all fit the one-multiply decode (kernels/mma_layout.py)
+    options = (f"-DTILES={build.tiles}", f"-DMIN_BLOCKS={build.min_blocks}", f"-DFUSED_SCALE={int(w.small_scales)}")
+    launch(compiled(_SOURCE, "mxfp4_mma_gemm", options, device), (pairs, rows // build.block_rows, shares),
+           (np.uint64(act.data_ptr()), np.uint64(expert_of.data_ptr()), np.uint64(w.codes.data_ptr()),
+            np.uint64(w.scales.data_ptr()), np.uint64(out.data_ptr()), np.int32(pairs), np.int32(div),
+            np.int32(rows), np.int32(cols), np.int32(per)), device)
     return out
-
-
-@cache
-def _function(build: Build, small_scales: bool, device: int):
-    """The kernel compiled for `build` and for weights with or without only small scales
-    (kernels/mma_layout.py's `small_scales`) by NVRTC, loaded on `device`, once a process; called inside
-    that device's context."""
-    import cupy
-
-    options = ("-std=c++17", f"-DTILES={build.tiles}", f"-DMIN_BLOCKS={build.min_blocks}",
-               f"-DFUSED_SCALE={int(small_scales)}")
-    return cupy.RawModule(code=_SOURCE, options=options).get_function("mxfp4_mma_gemm")
 
 
 _SOURCE = r"""
@@ -227,13 +192,6 @@ __device__ __forceinline__ void decode8_fused(unsigned word, unsigned scale, uns
         : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(word), "r"(scale));
 }
 
-__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // E8M0 e -> bf16 bits of 2^(e - 127) in both halves (e = 0: the subnormal 2^-127).
 __device__ __forceinline__ unsigned scale_pair(unsigned e) {
     unsigned bits = max(e << 7, 0x40u);
@@ -255,26 +213,6 @@ __device__ __forceinline__ unsigned fused_scale_pair(unsigned e) {
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2
 #endif
-
-// The A operands of chunk c's 8 k-blocks for lane t: rows g (row0) and g + 8 (row1) of the block,
-// columns 32 t + 4 kb + {0, 1} (a0, a1) and + {2, 3} (a2, a3), i.e. the lane's run of 32 columns in
-// four 16-byte loads a row (a null row: a pair the block does not have, zeros).
-__device__ __forceinline__ void load_a(unsigned (&a)[8][4], const uint4* row0, const uint4* row1, int c, int t) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int o = c * 16 + t * 4 + q;
-        const uint4 u0 = row0 ? __ldg(row0 + o) : make_uint4(0u, 0u, 0u, 0u);
-        const uint4 u1 = row1 ? __ldg(row1 + o) : make_uint4(0u, 0u, 0u, 0u);
-        a[2 * q][0] = u0.x;
-        a[2 * q][2] = u0.y;
-        a[2 * q + 1][0] = u0.z;
-        a[2 * q + 1][2] = u0.w;
-        a[2 * q][1] = u1.x;
-        a[2 * q][3] = u1.y;
-        a[2 * q + 1][1] = u1.z;
-        a[2 * q + 1][3] = u1.w;
-    }
-}
 
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 mxfp4_mma_gemm(const uint4* __restrict__ act, const int* __restrict__ expert_of, const uint4* __restrict__ codes,
