@@ -11,15 +11,20 @@ A whole site is fused too, since at decode the site's torch ops around the mixes
 the streams, the RMS norm, the (2 + n) * n x n * D projection, the collapse's product, sum and cast,
 and the merge's casts, product, n x n matmul and sum) were ~12 more launches per site, ~100 per
 4-layer step: `hc_site` is two kernels (a split-K pass of the projection and the sum of squares,
-then one program per token for the norm, the mixes and the collapse) and `hc_merge` one (the new
-streams from the sublayer output). `hc_site_reference` / `hc_merge_reference` are the torch
+then one program per token for the norm, the mixes and the collapse, and where the caller gives it the
+sublayer's input RMS norm too, `InputNorm`) and `hc_merge` one (the new streams from the sublayer
+output). `hc_site_reference` / `hc_merge_reference` are the torch
 definitions (the model's own ops: models/hyper.py calls these).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from kernels.norm import rms_norm_reference
 
 try:
     import triton
@@ -110,17 +115,30 @@ SITE_BLOCK = 512
 MERGE_BLOCK = 1024  # hidden channels per merge program
 
 
+class InputNorm(NamedTuple):
+    """The sublayer's input RMS norm (float32 weight [D], eps), which a site may apply to its collapse:
+    the sublayer input then comes out of the site's last kernel, one launch fewer a site."""
+
+    weight: torch.Tensor
+    eps: float
+
+
 def hc_site_reference(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None, input_norm: InputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n], collapsed [T, D] in the streams'
     dtype). The mixes come from the RMS-normed (unweighted) flattened streams in float32; the streams
-    collapse with `collapse_pre` when given (V4.1: the previous site's pre), else with this site's pre."""
+    collapse with `collapse_pre` when given (V4.1: the previous site's pre), else with this site's pre;
+    with `input_norm` the collapse comes back through that norm (kernels/norm.py's, as the model's
+    RMSNorm applies it to the collapse)."""
     flat = streams.flatten(1).float()
     normed = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     pre, post, comb = hc_mixes(F.linear(normed, fn.float()), base, scale, n, iters, hc_eps)
-    return pre, post, comb, hc_collapse(pre if collapse_pre is None else collapse_pre, streams)
+    collapsed = hc_collapse(pre if collapse_pre is None else collapse_pre, streams)
+    if input_norm is not None:
+        collapsed = rms_norm_reference(collapsed, input_norm.weight, input_norm.eps)
+    return pre, post, comb, collapsed
 
 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -141,12 +159,12 @@ def _fusable(streams: torch.Tensor, n: int) -> bool:
 
 def hc_site(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None, input_norm: InputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_site_reference`, as two Triton kernels on CUDA (n a power of two)."""
     if not _fusable(streams, n):
-        return hc_site_reference(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre)
-    return hc_site_triton(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre)
+        return hc_site_reference(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre, input_norm)
+    return hc_site_triton(streams, fn, base, scale, n, iters, hc_eps, norm_eps, collapse_pre, input_norm)
 
 
 def hc_merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -158,7 +176,7 @@ def hc_merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out:
 
 def hc_site_triton(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None,
+    hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None, input_norm: InputNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, _, dim = streams.shape
     streams = streams.contiguous()
@@ -174,9 +192,11 @@ def hc_site_triton(
     collapsed = torch.empty(tokens, dim, dtype=streams.dtype, device=device)
     own = collapse_pre is None
     given = pre if own else collapse_pre.float().contiguous()
+    weight = pre if input_norm is None else input_norm.weight.float().contiguous()
     _hc_finish_kernel[(tokens,)](
         partial, base.float().contiguous(), scale.float().contiguous(), streams, given, pre, post, comb, collapsed,
-        width, dim, norm_eps, hc_eps, iters, N=n, SPLITS=SITE_SPLITS, OWN_PRE=own, BLOCK=MERGE_BLOCK, num_warps=4,
+        weight, width, dim, norm_eps, hc_eps, 0.0 if input_norm is None else input_norm.eps, iters, N=n,
+        SPLITS=SITE_SPLITS, OWN_PRE=own, INPUT_NORM=input_norm is not None, BLOCK=MERGE_BLOCK, num_warps=4,
     )
     return pre, post, comb, collapsed
 
@@ -222,13 +242,26 @@ if triton is not None:
         tl.store(out + (2 + N) * N, tl.sum(squares, axis=0))
 
     @triton.jit
+    def _collapse_block(base_row, weights, start, dim, N: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr):
+        """Channels [start, start + BLOCK) of sum_k weights[k] * streams[k] in float32, rounded to `dtype`
+        (0 past dim), and which of them exist."""
+        i = tl.arange(0, N)
+        d = start + tl.arange(0, BLOCK)
+        inside = d < dim
+        x = tl.load(base_row + i[:, None] * dim + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
+        return tl.sum(weights[:, None] * x, axis=0).to(dtype), d, inside
+
+    @triton.jit
     def _hc_finish_kernel(partial_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
-                          collapsed_ptr, width, dim, norm_eps, hc_eps, iters, N: tl.constexpr, SPLITS: tl.constexpr,
-                          OWN_PRE: tl.constexpr, BLOCK: tl.constexpr):
+                          collapsed_ptr, weight_ptr, width, dim, norm_eps, hc_eps, input_eps, iters, N: tl.constexpr,
+                          SPLITS: tl.constexpr, OWN_PRE: tl.constexpr, INPUT_NORM: tl.constexpr, BLOCK: tl.constexpr):
         """One token: the splits summed, the norm's scale applied, the mixes (`_mixes`), then the
-        collapse with this site's pre (OWN_PRE) or the given one."""
+        collapse with this site's pre (OWN_PRE) or the given one; with INPUT_NORM the collapse through
+        kernels/norm.py's weighted RMS norm (weight_ptr, input_eps), as `_rms_norm_kernel` computes it
+        from the rounded collapse: a pass for its sum of squares, then the collapse again, scaled."""
         norm_eps = tl.cast(norm_eps, tl.float32)  # Inductor passes Python floats as fp64
         hc_eps = tl.cast(hc_eps, tl.float32)
+        input_eps = tl.cast(input_eps, tl.float32)
         token = tl.program_id(0)
         stride = (2 + N) * N + 1
         rows = partial_ptr + token * SPLITS * stride + tl.arange(0, SPLITS)[:, None] * stride
@@ -249,12 +282,22 @@ if triton is not None:
         else:
             weights = tl.load(given_ptr + token * N + i)
         base_row = streams_ptr + token.to(tl.int64) * width
-        for start in range(0, dim, BLOCK):
-            d = start + tl.arange(0, BLOCK)
-            inside = d < dim
-            x = tl.load(base_row + i[:, None] * dim + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
-            total = tl.sum(weights[:, None] * x, axis=0)
-            tl.store(collapsed_ptr + token.to(tl.int64) * dim + d, total.to(collapsed_ptr.dtype.element_ty), mask=inside)
+        out_row = collapsed_ptr + token.to(tl.int64) * dim
+        dtype: tl.constexpr = collapsed_ptr.dtype.element_ty
+        if INPUT_NORM:
+            squares = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, dim, BLOCK):
+                value, _, _ = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
+                squares += value.to(tl.float32) * value.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / dim + input_eps)
+            for start in range(0, dim, BLOCK):
+                value, d, inside = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
+                weight = tl.load(weight_ptr + d, mask=inside, other=0.0)
+                tl.store(out_row + d, (weight * (value.to(tl.float32) * inv_rms)).to(dtype), mask=inside)
+        else:
+            for start in range(0, dim, BLOCK):
+                value, d, inside = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
+                tl.store(out_row + d, value, mask=inside)
 
     @triton.jit
     def _hc_merge_kernel(streams_ptr, post_ptr, comb_ptr, out_ptr, merged_ptr, dim, N: tl.constexpr,

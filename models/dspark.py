@@ -338,11 +338,11 @@ class DSparkLayer(nn.Module):
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, batch: BlockBatch, ring: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams [T, hc, D], incoming pre [T, hc]) -> (streams, this layer's ffn pre)."""
-        attn_pre, post, comb, collapsed = self.attn_hc.site(streams, collapse_pre=pre)
-        out = self.self_attn(self.input_layernorm(collapsed), batch, ring)
+        attn_pre, post, comb, x = self.attn_hc.site(streams, self.input_layernorm, collapse_pre=pre)
+        out = self.self_attn(x, batch, ring)
         streams = merge_streams(streams, post, comb, out)
-        ffn_pre, post, comb, collapsed = self.ffn_hc.site(streams, collapse_pre=attn_pre)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        ffn_pre, post, comb, x = self.ffn_hc.site(streams, self.post_attention_layernorm, collapse_pre=attn_pre)
+        out = self.mlp(x, batch.token_ids)
         return merge_streams(streams, post, comb, out), ffn_pre
 
 
@@ -355,11 +355,11 @@ class DSparkLayerV4(DSparkLayer):
     def forward(self, streams: torch.Tensor, pre: torch.Tensor | None, batch: BlockBatch, ring: torch.Tensor
                 ) -> tuple[torch.Tensor, None]:
         """(streams [T, hc, D], unused) -> (streams, None): a V4 layer hands no pre to the next."""
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), batch, ring)
+        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        out = self.self_attn(x, batch, ring)
         streams = merge_streams(streams, post, comb, out)
-        post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
+        out = self.mlp(x, batch.token_ids)
         return merge_streams(streams, post, comb, out), None
 
 

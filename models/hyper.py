@@ -14,9 +14,9 @@ from torch import nn
 
 from kernels.hyper import hc_collapse as collapse  # noqa: F401  (the models' import point)
 from kernels.hyper import hc_merge as merge_streams  # noqa: F401
-from kernels.hyper import hc_site
+from kernels.hyper import InputNorm, hc_site
 from models.config import ModelConfig
-from models.layers import unweighted_rms_norm
+from models.layers import RMSNorm, unweighted_rms_norm
 
 
 class HyperConnection(nn.Module):
@@ -28,18 +28,19 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """V4: streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed [T, D]), collapsed with this
-        site's own `pre`."""
-        _, post, comb, collapsed = self.site(streams)
+    def forward(self, streams: torch.Tensor, input_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V4: streams [T, n, D] -> (post [T, n], comb [T, n, n], the sublayer input [T, D]: the streams
+        collapsed with this site's own `pre`, through the sublayer's `input_norm`)."""
+        _, post, comb, collapsed = self.site(streams, input_norm)
         return post, comb, collapsed
 
-    def site(self, streams: torch.Tensor, collapse_pre: torch.Tensor | None = None
+    def site(self, streams: torch.Tensor, input_norm: RMSNorm, collapse_pre: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n] in float32, collapsed [T, D]).
-        V4.1 collapses with the previous site's `pre` (`collapse_pre`), V4 with this site's own."""
+        """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n] in float32, the sublayer input
+        [T, D]: the collapse through `input_norm`, in the site's last kernel on the GPU). V4.1 collapses
+        with the previous site's `pre` (`collapse_pre`), V4 with this site's own."""
         return hc_site(streams, self.fn, self.base, self.scale, self.n, self.iters, self.hc_eps, self.norm_eps,
-                       collapse_pre)
+                       collapse_pre, InputNorm(input_norm.weight, input_norm.eps))
 
 
 

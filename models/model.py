@@ -35,11 +35,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch | DecodeBatch, cache: ModelCache, layer: int) -> torch.Tensor:
         attend = self.self_attn.decode if isinstance(batch, DecodeBatch) else self.self_attn
-        post, comb, collapsed = self.attn_hc(streams)
-        out = attend(self.input_layernorm(collapsed), batch, cache.layers[layer])
+        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        out = attend(x, batch, cache.layers[layer])
         streams = merge_streams(streams, post, comb, out)
-        post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
+        out = self.mlp(x, batch.token_ids)
         return merge_streams(streams, post, comb, out)
 
 

@@ -60,11 +60,11 @@ class DecoderLayerV41(nn.Module):
             streams = self.engram(streams, engram_rows)
         if tap is not None:
             tap.copy_(streams.mean(dim=1))
-        attn_pre, post, comb, collapsed = self.attn_hc.site(streams, collapse_pre=pre)
-        out = self.self_attn(self.input_layernorm(collapsed), batch, cache, selections, trace)
+        attn_pre, post, comb, x = self.attn_hc.site(streams, self.input_layernorm, collapse_pre=pre)
+        out = self.self_attn(x, batch, cache, selections, trace)
         streams = merge_streams(streams, post, comb, out)
-        ffn_pre, post, comb, collapsed = self.ffn_hc.site(streams, collapse_pre=attn_pre)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch.token_ids)
+        ffn_pre, post, comb, x = self.ffn_hc.site(streams, self.post_attention_layernorm, collapse_pre=attn_pre)
+        out = self.mlp(x, batch.token_ids)
         return merge_streams(streams, post, comb, out), ffn_pre
 
 

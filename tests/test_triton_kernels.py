@@ -41,11 +41,12 @@ def test_hc_mixes_kernel_equals_the_reference(n):
 
 
 def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
-    """The fused mHC site (projection, norm, mixes, collapse with its own pre or a given one) and merge
-    against the torch ops. Float32 sums run in another order (the split-K projection), so the mixes
+    """The fused mHC site (projection, norm, mixes, collapse with its own pre or a given one, and with
+    the sublayer's input norm or not) and merge against the torch ops. Float32 sums run in another order (the split-K projection), so the mixes
     agree within 1e-5 (relative) and the collapse, which sums with those mixes, within 1e-5 (absolute,
     values of magnitude ~1-10) in float32 and one rounding step of its magnitude in bf16."""
-    from kernels.hyper import hc_merge_reference, hc_merge_triton, hc_site_reference, hc_site_triton
+    from kernels.hyper import InputNorm, hc_merge_reference, hc_merge_triton, hc_site_reference, hc_site_triton
+    from kernels.norm import rms_norm_reference
 
     generator = torch.Generator(device).manual_seed(seed)
     streams = (torch.randn(tokens, n, dim, generator=generator, device=device) * 2).to(dtype)
@@ -54,6 +55,7 @@ def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, s
     scale = torch.rand(3, generator=generator, device=device) + 0.5
     given = torch.rand(tokens, n, generator=generator, device=device)
     close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    input_norm = InputNorm(torch.rand(dim, generator=generator, device=device) + 0.5, 1e-6)
     for collapse_pre in (None, given):
         got = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
         want = hc_site_reference(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre)
@@ -61,6 +63,12 @@ def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, s
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert got[3].dtype == dtype
         torch.testing.assert_close(got[3], want[3], **close)
+        normed = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre, input_norm)[3]
+        # the reference's normed collapse is the norm of its collapse, as the model computed it before
+        assert torch.equal(hc_site_reference(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre, input_norm)[3],
+                           rms_norm_reference(want[3], input_norm.weight, input_norm.eps))
+        assert normed.dtype == dtype
+        torch.testing.assert_close(normed, rms_norm_reference(want[3], input_norm.weight, input_norm.eps), **close)
     pre, post, comb, _ = want
     out = (torch.randn(tokens, dim, generator=generator, device=device) * 3).to(dtype)
     merged, expected = hc_merge_triton(streams, post, comb, out), hc_merge_reference(streams, post, comb, out)
