@@ -1,5 +1,5 @@
 """Overlapped scheduling (engine/loop.py, docs/overlap.md) against the serial loop, on the real runner
-in deterministic mode: every request's tokens and logprobs are bitwise the same, over chunked prefill,
+(a tiny V4, and the tiny V4.1 whose Engram rows are hashed from the overlapped inputs) in deterministic mode: every request's tokens and logprobs are bitwise the same, over chunked prefill,
 preemption, prefix-cache hits, stop tokens, max_tokens, a seeded sampler, a penalized request (which
 waits for its draws) and aborts; each request ends exactly once and nothing is lost or duplicated
 when it finishes a step late."""
@@ -117,9 +117,10 @@ def workload(stop_token: int | None = None) -> list[NewRequest]:
     return requests
 
 
-@pytest.fixture(scope="module")
-def model(checkpoints):
-    return load_model(checkpoints["mixed"])
+@pytest.fixture(scope="module", params=["mixed", "v41"])
+def model(request, checkpoints):
+    """A tiny V4 and the tiny V4.1 (Engram on two layers: its rows hashed from the pending tokens)."""
+    return load_model(checkpoints[request.param])
 
 
 def test_overlapped_outputs_are_bitwise_the_serial_loops(model):

@@ -17,8 +17,11 @@ returned step reads them and reports. The next plan may be launched before that 
 scheduling): its decode chunks whose input is PENDING_TOKEN take the token this runner drew for their
 request in the step launched before, on the device. Nothing in a launch waits for the device (inputs go
 through pinned memory, models/transfer.py), except a step with echo logprobs, which reads them at
-once. V4.1's Engram rows are hashed from the step's tokens on the host, so a runner with Engram layers
-takes no pending inputs (`pending_inputs` False: the engine plans its decodes after their draws land).
+once. V4.1's Engram rows are hashed from the step's tokens: a graphed decode hashes its static token
+column on the device (after the pending tokens are taken into it), an eager chunk reads its resolved
+tokens back (a wait for the step before); either way a pending input is hashed as the token it is.
+Where Engram rows are read from disk, the runner takes no pending inputs: a landed step's sampled
+tokens hint the next step's reads (`_hint_next_rows`), which need that step's look-backs as they were.
 
 The runner owns the caller-owned buffers of the forward: the hybrid cache (slots and pages, sized by
 the memory plan) and the logits output, so serving steps after warm-up allocate no persistent memory.
@@ -182,8 +185,9 @@ class ModelRunner:
         self.tp = tp
         self.deterministic = deterministic
         self.draft_tokens = draft_tokens
-        # Engram rows are hashed from host tokens; drafts are proposed from a landed step
-        self.pending_inputs = model.config.engram is None and proposer is None
+        # drafts are proposed from a landed step; Engram reads ahead from disk are hinted from one
+        engram = model.engram_memory
+        self.pending_inputs = proposer is None and (engram is None or not engram.reads_ahead)
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         if dtype == torch.bfloat16 and str(device).startswith("cuda") and not deterministic:
