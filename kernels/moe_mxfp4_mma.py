@@ -11,7 +11,7 @@ done once, at load, and the decode is kernels/moe_mxfp4.py's PTX (exact: the ref
 whose output registers are the operand registers as they stand. The layout gives each lane one scale
 group of a chunk, so one scale and one 16-byte load of codes a tile, and its activations as 16-byte
 loads; where every scale exponent of a matrix is at most 128 (any real checkpoint: scales up to 2),
-the decode's bias and the scale are one multiplier (`decode8_fused`): ~10% faster at 8-64 tokens
+the decode's bias and the scale are one multiplier (`scaled` in the device code): ~10% faster at 8-64 tokens
 (BENCHMARKS.md, eighteenth session), the same bits.
 
 One CTA of 4 warps owns one block of up to 16 pairs routed to one expert (found by scanning the step's
@@ -131,65 +131,69 @@ def _gemm(act: torch.Tensor, expert_of: torch.Tensor, w: MXFP4MMAExperts, div: i
 
 
 _SOURCE = r"""
-// 8 codes (one 32-bit word in mma_layout) -> the B operands of two k-blocks: kernels/moe_mxfp4.py's
-// exact PTX decode (value x 2^-126 placed in bf16 bits, x 2^126, x the E8M0 scale), scale in both halves.
-__device__ __forceinline__ void decode8(unsigned word, unsigned scale, unsigned& r0, unsigned& r1,
-                                        unsigned& r2, unsigned& r3) {
-    asm("{\n"
-        ".reg .b32 t0, t1, a, b, u, bias;\n"
-        "mov.b32 bias, 0x7E807E80;\n"
-        "prmt.b32 t0, %4, 0, 0x4140;\n"
-        "prmt.b32 t1, %4, 0, 0x4342;\n"
-        "shl.b32 a, t0, 6;\n"
-        "shl.b32 b, t0, 12;\n"
-        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
-        "mul.rn.bf16x2 u, u, bias;\n"
-        "mul.rn.bf16x2 %0, u, %5;\n"
-        "shl.b32 a, t1, 6;\n"
-        "shl.b32 b, t1, 12;\n"
-        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
-        "mul.rn.bf16x2 u, u, bias;\n"
-        "mul.rn.bf16x2 %1, u, %5;\n"
-        "and.b32 t0, t0, 0x00F000F0;\n"
-        "mul.lo.u32 t0, t0, 0x104;\n"
-        "and.b32 u, t0, 0x81C081C0;\n"
-        "mul.rn.bf16x2 u, u, bias;\n"
-        "mul.rn.bf16x2 %2, u, %5;\n"
-        "and.b32 t1, t1, 0x00F000F0;\n"
-        "mul.lo.u32 t1, t1, 0x104;\n"
-        "and.b32 u, t1, 0x81C081C0;\n"
-        "mul.rn.bf16x2 u, u, bias;\n"
-        "mul.rn.bf16x2 %3, u, %5;\n"
-        "}\n"
-        : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(word), "r"(scale));
+#ifndef FUSED_SCALE
+#define FUSED_SCALE 0  // 1: every scale exponent of the matrix is <= 128 (see `scaled`)
+#endif
+
+// kernels/moe_mxfp4.py's exact PTX decode, as steps. `prmt` spreads a word's bytes 0, 1 (selector
+// 0x4140) or 2, 3 (0x4342) into the 16-bit lanes; each lane's low nibble (`low_codes`) or high nibble
+// (`high_codes`) becomes the bf16 bits of its E2M1 value x 2^-126 (sign to bit 15, magnitude to bits 8-6).
+__device__ __forceinline__ unsigned spread(unsigned word, unsigned selector) {
+    unsigned t;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(t) : "r"(word), "r"(selector));
+    return t;
 }
 
-// The same when the scale is 2^126 x 2^(e - 127) = 2^(e - 1), a normal bf16 for e <= 128: one multiply
-// an output register (the product is still exact: an E2M1 value has 2 significant bits).
-__device__ __forceinline__ void decode8_fused(unsigned word, unsigned scale, unsigned& r0, unsigned& r1,
-                                              unsigned& r2, unsigned& r3) {
+__device__ __forceinline__ unsigned low_codes(unsigned t) {
+    unsigned u;
     asm("{\n"
-        ".reg .b32 t0, t1, a, b, u;\n"
-        "prmt.b32 t0, %4, 0, 0x4140;\n"
-        "prmt.b32 t1, %4, 0, 0x4342;\n"
-        "shl.b32 a, t0, 6;\n"
-        "shl.b32 b, t0, 12;\n"
-        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
-        "mul.rn.bf16x2 %0, u, %5;\n"
-        "shl.b32 a, t1, 6;\n"
-        "shl.b32 b, t1, 12;\n"
-        "lop3.b32 u, a, b, 0x81C081C0, 0xA8;\n"
-        "mul.rn.bf16x2 %1, u, %5;\n"
-        "and.b32 t0, t0, 0x00F000F0;\n"
-        "mul.lo.u32 t0, t0, 0x104;\n"
-        "and.b32 u, t0, 0x81C081C0;\n"
-        "mul.rn.bf16x2 %2, u, %5;\n"
-        "and.b32 t1, t1, 0x00F000F0;\n"
-        "mul.lo.u32 t1, t1, 0x104;\n"
-        "and.b32 u, t1, 0x81C081C0;\n"
-        "mul.rn.bf16x2 %3, u, %5;\n"
+        ".reg .b32 a, b;\n"
+        "shl.b32 a, %1, 6;\n"
+        "shl.b32 b, %1, 12;\n"
+        "lop3.b32 %0, a, b, 0x81C081C0, 0xA8;\n"
         "}\n"
-        : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(word), "r"(scale));
+        : "=r"(u) : "r"(t));
+    return u;
+}
+
+__device__ __forceinline__ unsigned high_codes(unsigned t) {
+    unsigned u;
+    asm("{\n"
+        ".reg .b32 a;\n"
+        "and.b32 a, %1, 0x00F000F0;\n"
+        "mul.lo.u32 a, a, 0x104;\n"
+        "and.b32 %0, a, 0x81C081C0;\n"
+        "}\n"
+        : "=r"(u) : "r"(t));
+    return u;
+}
+
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// value x 2^-126 -> value x the E8M0 scale: x 2^126 (exact: the products are normal bf16s), then x the
+// scale (`scale_pair`); or, when every scale is at most 2^1, x 2^(e - 1) at once (`fused_scale_pair`: a
+// normal bf16 for e <= 128, and the product is still exact, an E2M1 value having 2 significant bits).
+__device__ __forceinline__ unsigned scaled(unsigned u, unsigned scale) {
+#if FUSED_SCALE
+    return mul_bf16x2(u, scale);
+#else
+    return mul_bf16x2(mul_bf16x2(u, 0x7E807E80u), scale);
+#endif
+}
+
+// 8 codes (one 32-bit word in mma_layout) -> the B operands of two k-blocks: r0 / r2 the low / high
+// nibbles of bytes 0, 1 (b0 / b1 of the first), r1 / r3 those of bytes 2, 3.
+__device__ __forceinline__ void decode8(unsigned word, unsigned scale, unsigned& r0, unsigned& r1,
+                                        unsigned& r2, unsigned& r3) {
+    const unsigned t0 = spread(word, 0x4140u), t1 = spread(word, 0x4342u);
+    r0 = scaled(low_codes(t0), scale);
+    r1 = scaled(low_codes(t1), scale);
+    r2 = scaled(high_codes(t0), scale);
+    r3 = scaled(high_codes(t1), scale);
 }
 
 // E8M0 e -> bf16 bits of 2^(e - 127) in both halves (e = 0: the subnormal 2^-127).
@@ -203,10 +207,6 @@ __device__ __forceinline__ unsigned fused_scale_pair(unsigned e) {
     unsigned bits = (e + 126u) << 7;
     return bits | (bits << 16);
 }
-
-#ifndef FUSED_SCALE
-#define FUSED_SCALE 0  // 1: every scale exponent of the matrix is <= 128 (decode8_fused)
-#endif
 #ifndef TILES
 #define TILES 8  // mma tiles (8 rows each) a warp: a CTA owns 4 x 8 x TILES rows
 #endif
@@ -307,11 +307,7 @@ mxfp4_mma_gemm(const uint4* __restrict__ act, const int* __restrict__ expert_of,
 #pragma unroll
             for (int q = 0; q < 4; ++q) {  // word q: k-blocks 2q and 2q + 1
                 unsigned r0, r1, r2, r3;
-#if FUSED_SCALE
-                decode8_fused(words[q], scale, r0, r1, r2, r3);
-#else
                 decode8(words[q], scale, r0, r1, r2, r3);
-#endif
                 mma(acc[j], a[2 * q], r0, r2);
                 mma(acc[j], a[2 * q + 1], r1, r3);
             }
