@@ -261,9 +261,17 @@ class Scheduler:
             room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts), request.probing))
         return drafts[: max(room, 0)]
 
+    def _draft_room_after(self, request: Request) -> int:
+        """Drafts the chunk after those in flight could verify past its own token, the draws in flight
+        counted as landed (max_tokens and max_model_len, as `_drafts` will count them then): none, and
+        drafting after the chunk in flight would be wasted."""
+        return min(request.params.max_tokens - len(request.output_token_ids) - request.draws_in_flight - 1,
+                   self.limits.max_model_len - request.num_tokens - 1)
+
     def _decide_drafting(self, chunks: list[ScheduledChunk]) -> None:
         """Whether the proposer drafts after the step's sampling chunks, decided once for the whole step:
-        `_launch` left draft_next on for those whose next chunk can take drafts (`Request.takes_drafts`),
+        `_launch` left draft_next on for those whose next chunk can take drafts (`Request.takes_drafts`,
+        with room for one: `_draft_room_after`),
         and the policy (scheduler/spec_policy.py drafting_next, for the step's batch) answers for all of
         them at once, so that a probe is a whole step and the other steps skip the proposer's launch-bound
         drafting entirely; a probe is remembered for `_drafts`. Without a policy (fixed K) they draft."""
@@ -294,7 +302,7 @@ class Scheduler:
             request.draws_in_flight += 1
             request.logits_position = request.num_computed_tokens
             request.probing = False  # until `_decide_drafting` makes the step a probe
-            chunk = dataclasses.replace(chunk, draft_next=request.takes_drafts)
+            chunk = dataclasses.replace(chunk, draft_next=request.takes_drafts and self._draft_room_after(request) > 0)
         if len(chunk.token_ids) > 1 or not chunk.sample:  # a prompt chunk: later prompts may start alike
             pointed.append(request)
         return chunk

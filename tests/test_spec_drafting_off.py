@@ -156,6 +156,32 @@ def test_requests_that_cannot_take_drafts_never_ask_nor_count_toward_a_probe():
     assert joined[PROBE_EVERY - 1] == {"g": False, "m": False, "f": True} and policy.steps == PROBE_EVERY + 1
 
 
+def test_a_chunk_whose_next_has_no_room_for_a_draft_does_not_ask_for_drafts():
+    """Pure scheduler, fixed K (no policy), drafts proposed wherever asked and all rejected: a request
+    asks only while the chunk after has room for a draft past its own token. max_tokens 3 asks after
+    its prompt (the next chunk verifies one draft) and then never (its third token is its last); a
+    prompt 2 tokens short of max_model_len never asks; max_tokens 6 asks until its next chunk could
+    only take its own token."""
+    scheduler = Scheduler(EngineLimits(3, 64, 24, 64, eos_token_ids=(1,)))
+    scheduler.add(NewRequest("short", (5, 9, 2), SamplingParams(max_tokens=3, ignore_eos=True)))
+    scheduler.add(NewRequest("edge", tuple(range(2, 24)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    scheduler.add(NewRequest("free", (5, 9, 3), SamplingParams(max_tokens=6, ignore_eos=True)))
+    asked: dict[str, list[bool]] = {}
+    verified: dict[str, list[int]] = {}
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        for chunk in plan.chunks:
+            if chunk.sample:
+                asked.setdefault(chunk.request_id, []).append(chunk.draft_next)
+                verified.setdefault(chunk.request_id, []).append(len(chunk.draft_token_ids))
+        scheduler.update(plan, StepResult(tuple(
+            ChunkResult(chunk.request_id, TokenLogprob(20, -1.0), proposed=(21, 22) if chunk.draft_next else ())
+            for chunk in plan.chunks)))
+    assert asked["short"] == [True, False, False] and verified["short"] == [0, 1, 0]
+    assert asked["edge"] == [False, False] and verified["edge"] == [0, 0]  # 22 + 2 tokens fill max_model_len 24
+    assert asked["free"] == [True] * 4 + [False, False] and verified["free"] == [0, 2, 2, 2, 1, 0]
+
+
 def test_the_draft_step_counters_reach_the_metrics():
     stats = EngineStats(running=0, waiting=0, spec=SpecDecodeCounts().add_draft_steps(7, 40).add(3, 1))
     figures = {name: value for _, name, _, value in engine_figures("ds4serve", stats)}

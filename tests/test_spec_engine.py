@@ -198,7 +198,9 @@ def test_constrained_and_min_tokens_requests_skip_drafting(v4_with_mtp):
     """MTP (K = 2, fixed K so no timing enters), one request at a time through the openai client: a
     grammar-constrained request (structured outputs) cannot verify drafts, so the proposer skips its
     drafting after every one of its chunks; a request under min_tokens after the chunks whose next one is
-    still under it (the first min_tokens - 1), then drafts; a free request drafts after every chunk."""
+    still under it (the first min_tokens - 1), then drafts; a free request drafts after every chunk but
+    the one or two at its end whose next chunk has no room for a draft before max_tokens (the last, and
+    the one before where it left max_tokens - 1 tokens)."""
     pytest.importorskip("xgrammar")
     config = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
     with running_server(v4_with_mtp, "spec", "--deterministic", "--max-model-len", "256",
@@ -213,9 +215,9 @@ def test_constrained_and_min_tokens_requests_skip_drafting(v4_with_mtp):
         run, skipped, tokens = draft_steps_of(base, lambda: send(extra_body=constrained))
         assert run == 0 and skipped == tokens > 1, (run, skipped, tokens)
         run, skipped, _ = draft_steps_of(base, lambda: send(extra_body={"min_tokens": 8, "ignore_eos": True}))
-        assert skipped == 8 - 1 and run >= 1, (run, skipped)
+        assert skipped - (8 - 1) in (1, 2) and run >= 1, (run, skipped)
         run, skipped, _ = draft_steps_of(base, lambda: send(extra_body={"ignore_eos": True}))
-        assert skipped == 0 and run >= 1, (run, skipped)
+        assert skipped in (1, 2) and run >= 1, (run, skipped)
 
 
 def test_the_v41_default_refuses_mtp_naming_the_flag():
