@@ -36,9 +36,7 @@ import torch
 from kernels.quant import FP8_BLOCK
 from models.config import ConfigError, ModelConfig
 from models.dspark import DSparkConfig, held_draft, held_tensor_bytes
-from models.loader import (
-    _target_dtype,  # the loader's own dtype rule, so both count the same bytes
-)
+from models.loader import loaded_dtype  # the loader's own dtype rule, so both count the same bytes
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.mtp import attach_mtp
@@ -129,7 +127,7 @@ def stored_bytes(name: str, tensor: torch.Tensor, fmt: StoredFormat, dtype: torc
         rows, cols = tensor.shape[-2:]
         blocks = -(-rows // fmt.fp8_block[0]) * -(-cols // fmt.fp8_block[1])
         return tensor.numel() + tensor.numel() // (rows * cols) * blocks * fmt.scale_bytes
-    return tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
+    return tensor.numel() * loaded_dtype(name, dtype, tensor.dtype).itemsize
 
 
 def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype,
@@ -144,7 +142,7 @@ def weight_tensors(config_json: Path, quantization: str, dtype: torch.dtype,
     out = []
     for name, tensor in meta_tensors(meta_model(model_config, mtp)):
         if fmt is None:
-            nbytes = tensor.numel() * _target_dtype(name, dtype, tensor.dtype).itemsize
+            nbytes = tensor.numel() * loaded_dtype(name, dtype, tensor.dtype).itemsize
         else:
             nbytes = stored_bytes(name, tensor, fmt, dtype)
         out.append(WeightTensor(name, kind_of(name), nbytes, any(f in name for f in SHARDED)))

@@ -133,13 +133,13 @@ from models.loader import (
     CheckpointError,
     TensorSource,
     WeightReader,
-    _assign,
-    _read_packed_experts,
-    _read_parameter,
-    _stored_fp8,
-    _target_dtype,
+    assign_parameter,
     fp8_block,
     fp8_candidates,
+    loaded_dtype,
+    read_packed_experts,
+    read_parameter,
+    stored_fp8_linear,
     swap_in_fp8,
 )
 from models.moe import Experts, MoE
@@ -518,7 +518,7 @@ FLOAT32_HEADS = ("markov_head.", "confidence_head.")
 def held_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
     """The dtype a dense draft tensor is held in: the loader's rule (float32 norms, mHC, sinks and biases,
     `dtype` otherwise), the heads float32."""
-    return _target_dtype(name, torch.float32 if any(h in name for h in FLOAT32_HEADS) else dtype, stored)
+    return loaded_dtype(name, torch.float32 if any(h in name for h in FLOAT32_HEADS) else dtype, stored)
 
 
 def stored_fp8_in_draft(name: str) -> bool:
@@ -593,18 +593,18 @@ def load_dspark(directory: str | Path, target: nn.Module, tp: TensorParallel = S
         if owner in fp8_modules:
             if leaf == "weight":  # its weight_scale comes with it
                 values, scale = reader.read_stored(index.direct.get(name, name), tensor.shape, shard, "fp8")
-                _assign(draft, name, values.to(device))
-                _assign(draft, f"{owner}.weight_scale", scale.to(device))
+                assign_parameter(draft, name, values.to(device))
+                assign_parameter(draft, f"{owner}.weight_scale", scale.to(device))
             continue
         module = draft.get_submodule(owner)
         packed = None
         if keep_quantized and isinstance(module, Experts):
-            packed = _read_packed_experts(reader, index, name, tensor.shape, shard)
+            packed = read_packed_experts(reader, index, name, tensor.shape, shard)
         if packed is not None:
             module.keep_packed(leaf, packed[0].to(device), packed[1].to(device))
             continue
-        value = _read_parameter(reader, index, name, tensor.shape, shard)
-        _assign(draft, name, value.to(device=device, dtype=held_dtype(name, dtype, value.dtype)))
+        value = read_parameter(reader, index, name, tensor.shape, shard)
+        assign_parameter(draft, name, value.to(device=device, dtype=held_dtype(name, dtype, value.dtype)))
     surplus = sorted(name for name in source.names() - reader.consumed if _STAGE.match(name))
     if surplus:
         raise CheckpointError(f"{directory}: DSpark tensors the draft does not use: {', '.join(surplus[:5])}")
@@ -617,7 +617,7 @@ def _hold_fp8(draft: DSparkDraft, reader: WeightReader, index: NameIndex) -> set
     held = set()
     for name, linear in fp8_linear_candidates(draft):
         stored = index.direct.get(f"{name}.weight", f"{name}.weight")
-        if stored in reader.source.names() and _stored_fp8(reader, stored, linear, shard_of(draft, f"{name}.weight")):
+        if stored in reader.source.names() and stored_fp8_linear(reader, stored, linear, shard_of(draft, f"{name}.weight")):
             swap_in_fp8(draft, name, reader.fp8_block)
             held.add(name)
     return held

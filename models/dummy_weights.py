@@ -23,7 +23,7 @@ from engram_store.store import EngramOptions
 from models.config import ConfigError, ModelConfig
 from models.dummy_engram import DummyTables
 from models.engram_setup import engram_memory
-from models.loader import CheckpointError, ExpertsLoaded, _target_dtype
+from models.loader import CheckpointError, ExpertsLoaded, loaded_dtype
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.parallel import SINGLE, TensorParallel
@@ -75,4 +75,4 @@ def _dense_bytes(model: DeepseekV4 | DeepseekV41, dtype: torch.dtype) -> int:
     tied = model.config.tie_word_embeddings
     tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
                if not (tied and n == "lm_head.weight")]
-    return sum(t.numel() * _target_dtype(n, dtype, t.dtype).itemsize for n, t in tensors)
+    return sum(t.numel() * loaded_dtype(n, dtype, t.dtype).itemsize for n, t in tensors)

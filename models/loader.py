@@ -56,7 +56,7 @@ from models.weight_names import NameIndex
 log = logging.getLogger("ds4serve.models")
 
 IGNORED_PREFIXES = ("mtp.",)
-CPU_ALIGNMENT = 64  # bytes: what torch's own CPU allocations give (see _assign)
+CPU_ALIGNMENT = 64  # bytes: what torch's own CPU allocations give (see assign_parameter)
 # Parameters the release keeps in float32 whatever the serving dtype (norms, mHC, sinks, biases).
 FLOAT32_MARKERS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.", "engram.")
 
@@ -303,7 +303,10 @@ class WeightReader:
         return tensor
 
 
-def _target_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
+def loaded_dtype(name: str, dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
+    """The dtype a dequantized parameter is held in: the serving `dtype`, float32 where the release keeps
+    float32 (FLOAT32_MARKERS), integers as stored. The static plan and the dummy and random builders count
+    and build with this same rule."""
     if not stored.is_floating_point:
         return stored
     return torch.float32 if any(marker in name for marker in FLOAT32_MARKERS) else dtype
@@ -358,19 +361,19 @@ def load_model(
                 if leaf == "weight":
                     stored = index.direct.get(full_name, full_name)
                     values, scale = reader.read_stored(stored, tensor.shape, shard_of(model, full_name), "fp8")
-                    _assign(model, full_name, values.to(device))
-                    _assign(model, f"{owner}.weight_scale", scale.to(device))
+                    assign_parameter(model, full_name, values.to(device))
+                    assign_parameter(model, f"{owner}.weight_scale", scale.to(device))
                 continue
             experts = model.get_submodule(owner) if isinstance(model.get_submodule(owner), Experts) else None
             packed = None
             if keep_quantized and experts is not None:
-                packed = _read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+                packed = read_packed_experts(reader, index, full_name, tensor.shape, shard_of(model, full_name))
             if packed is not None:
                 experts.keep_packed(leaf, packed[0].to(device), packed[1].to(device))
             else:
-                value = _read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
-                value = value.to(device=device, dtype=_target_dtype(full_name, dtype, value.dtype))
-                _assign(model, full_name, value)
+                value = read_parameter(reader, index, full_name, tensor.shape, shard_of(model, full_name))
+                value = value.to(device=device, dtype=loaded_dtype(full_name, dtype, value.dtype))
+                assign_parameter(model, full_name, value)
             if experts is not None:
                 arrived.note(model, owner, leaf)
         progress.update(reader.source.bytes_read - progress.done)
@@ -413,7 +416,7 @@ def _fp8_linears(model: nn.Module, reader: WeightReader, index: NameIndex) -> se
     for name, module in fp8_candidates(model):
         stored = index.direct.get(f"{name}.weight", f"{name}.weight")
         shard = shard_of(model, f"{name}.weight")
-        if stored not in reader.source.names() or not _stored_fp8(reader, stored, module, shard):
+        if stored not in reader.source.names() or not stored_fp8_linear(reader, stored, module, shard):
             continue
         swap_in_fp8(model, name, reader.fp8_block)
         replaced.add(name)
@@ -444,7 +447,7 @@ def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return out
 
 
-def _stored_fp8(reader: WeightReader, stored: str, module: nn.Linear, shard: Shard | None) -> bool:
+def stored_fp8_linear(reader: WeightReader, stored: str, module: nn.Linear, shard: Shard | None) -> bool:
     """Whether the checkpoint stores this linear's weight as block-scaled FP8 that the shard (if any)
     cuts at whole blocks."""
     full = [module.out_features, module.in_features]
@@ -464,7 +467,7 @@ def cuts_whole_blocks(shard: Shard | None, block: int) -> bool:
     return len(shard.ranges) == 1 and start % block == 0 and (end % block == 0 or end == shard.full)
 
 
-def _read_packed_experts(
+def read_packed_experts(
     reader: WeightReader, index: NameIndex, name: str, shape: torch.Size, shard: Shard | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A layer's gate_up_proj / down_proj as stacked MXFP4 codes and exponents, when the checkpoint
@@ -494,7 +497,7 @@ def _read_packed_experts(
     return torch.stack(codes), torch.stack(scales)
 
 
-def _read_parameter(
+def read_parameter(
     reader: WeightReader, index: NameIndex, name: str, shape: torch.Size, shard: Shard | None
 ) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
@@ -547,7 +550,7 @@ class ExpertsArrival:
             self.experts_loaded(model, experts_name.rpartition(".")[0])
 
 
-def _assign(model: nn.Module, full_name: str, value: torch.Tensor) -> None:
+def assign_parameter(model: nn.Module, full_name: str, value: torch.Tensor) -> None:
     """Puts `value` where `full_name` stands. A host tensor the reader left at an address that is not
     64-byte aligned (a view into the checkpoint's bytes, whose offsets safetensors aligns to 8) is
     copied to a fresh, aligned allocation: CPU GEMMs pick their vector paths, and so their rounding, by

@@ -35,10 +35,10 @@ from models.layers import Fp8Linear
 from models.loader import (
     ExpertsArrival,
     ExpertsLoaded,
-    _assign,
-    _target_dtype,
+    assign_parameter,
     cuts_whole_blocks,
     fp8_candidates,
+    loaded_dtype,
     swap_in_fp8,
 )
 from models.model import DeepseekV4
@@ -115,7 +115,7 @@ def draw_weights(
             continue
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
-        target = _target_dtype(name, dtype, tensor.dtype)
+        target = loaded_dtype(name, dtype, tensor.dtype)
         if isinstance(module, Experts):
             _draw_experts(module, leaf, name, tensor.shape, seed, device, target, released)
         elif owner in held_fp8:
@@ -128,7 +128,7 @@ def draw_weights(
                                   seeded(device, seed, name), target)
             if released is not None and stored_fp8(name) and value.dim() == 2:
                 value = dequantize_fp8_blocks(*quantize_fp8_blocks(value, released.fp8_block), released.fp8_block)
-            _assign(model, name, _cut(value, shard).to(target))
+            assign_parameter(model, name, _cut(value, shard).to(target))
         if progress is not None:
             progress.update(_held_bytes(model, name))
         if isinstance(module, Experts):  # after the count above: the callback may move them off the device
@@ -208,7 +208,7 @@ def _draw_experts(module: Experts, leaf: str, name: str, shape: torch.Size, seed
             if released is not None:  # FP8 experts: the loader dequantizes them
                 block = released.fp8_block
                 out[local] = dequantize_fp8_blocks(*quantize_fp8_blocks(out[local], block), block)
-        _assign(module, leaf, out)
+        assign_parameter(module, leaf, out)
         return
     held, rows, cols = shape
     codes = torch.empty((held, rows, cols // 2), dtype=torch.uint8, device=device)
