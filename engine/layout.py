@@ -115,12 +115,12 @@ def check_mtp(config: "ServeConfig", model_config: ModelConfig, model_json: Path
                             " use method dspark with this directory as model")
 
 
-def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
+def check_dspark(config: "ServeConfig", model_config: ModelConfig, draft_json: Path | None = None) -> DSparkConfig:
     """The directory `model` names holds a DSpark draft of this model (V4 or V4.1 alike), whose block has
-    room for the drafts."""
+    room for the drafts; its config (from `draft_json`, else that directory's config.json)."""
     speculative = config.runtime.speculative_config
     try:
-        draft = DSparkConfig.from_file(Path(speculative.model) / "config.json", model_config)
+        draft = DSparkConfig.from_file(draft_json or Path(speculative.model) / "config.json", model_config)
     except ConfigError as exc:
         raise EngineConfigError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a"
                                 f" DSpark draft of {config.model_dir} is needed: {exc}") from exc
@@ -128,6 +128,7 @@ def check_dspark(config: "ServeConfig", model_config: ModelConfig) -> None:
         raise EngineConfigError(
             f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {speculative.num_speculative_tokens}"
             f": the DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
+    return draft
 
 
 def hot_tokens(config: "ServeConfig") -> int | None:

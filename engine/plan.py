@@ -43,6 +43,7 @@ from engine.admission import MemoryPlan, MemoryPlanError, plan_pages
 from engine.layout import (
     EngineConfigError,
     check_kv_cache_dtype,
+    check_dspark,
     check_mtp,
     draft_state_bytes,
     ensure_default_model,
@@ -146,24 +147,17 @@ def draft_config_json(model: str) -> Path:
     return shipped if not own.exists() and shipped.exists() else own
 
 
-def dspark_draft(config: ServeConfig, model_config: ModelConfig, model_json: Path
-                 ) -> tuple[DSparkConfig, Path] | None:
-    """The DSpark draft --speculative-config names (its config and config.json), checked as the engine
-    checks it at start (engine/layout.py check_dspark); None when another method drafts, or none."""
+def dspark_draft(config: ServeConfig, model_config: ModelConfig) -> tuple[DSparkConfig, Path] | None:
+    """The DSpark draft --speculative-config names (its config and config.json), checked by the engine's
+    own start-up check (engine/layout.py check_dspark); None when another method drafts, or none."""
     speculative = config.runtime.speculative_config
     if speculative is None or speculative.method != "dspark":
         return None
     path = draft_config_json(speculative.model)
     try:
-        draft = DSparkConfig.from_file(path, model_config)
-    except ConfigError as exc:
-        raise ConfigFileError(f"runtime.speculative_config.model (--speculative-config) {speculative.model}: a DSpark"
-                              f" draft of {model_json.parent.name} is needed: {exc}") from None
-    k = speculative.num_speculative_tokens
-    if k > draft.block_size:
-        raise ConfigFileError(f"runtime.speculative_config.num_speculative_tokens (--speculative-config) {k}: the"
-                              f" DSpark draft in {speculative.model} proposes blocks of {draft.block_size}")
-    return draft, path
+        return check_dspark(config, model_config, path), path
+    except EngineConfigError as error:
+        raise ConfigFileError(str(error)) from None
 
 
 def plan_device(config: ServeConfig) -> str:
@@ -254,7 +248,7 @@ def build_plan(config: ServeConfig, config_path: Path, model_json: Path) -> RigP
                                                config.model.load_format, mtp=config.runtime.drafts_with_mtp)
     except ConfigError as exc:
         raise ConfigFileError(str(exc)) from None
-    draft = dspark_draft(config, model_config, model_json)
+    draft = dspark_draft(config, model_config)
     if draft is not None:
         try:
             weights += draft_tensors(draft[0], draft[1], config.model.quantization, dtype)

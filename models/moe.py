@@ -87,8 +87,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         mark_shards(self, gate_up_proj=shard, down_proj=shard)
-        self.mma_layout = False  # packed codes laid out for kernels/moe_mxfp4_mma.py (`lay_out_for_mma`)
-        self.small_scales: dict[str, bool] = {}  # per leaf, once laid out: kernels/mma_layout.py's `small_scales`
+        # per leaf, once its packed codes are laid out for kernels/moe_mxfp4_mma.py (`lay_out_for_mma`):
+        # kernels/mma_layout.py's `small_scales` of its scales
+        self.small_scales: dict[str, bool] = {}
 
     def keep_packed(self, leaf: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Holds `leaf` (gate_up_proj / down_proj) as released MXFP4 (codes [E, rows, cols / 2], E8M0
@@ -96,6 +97,11 @@ class Experts(nn.Module):
         del self._parameters[leaf]
         self.register_buffer(f"{leaf}_codes", codes)
         self.register_buffer(f"{leaf}_scales", scales)
+
+    @property
+    def mma_layout(self) -> bool:
+        """Whether the packed codes are laid out for the CUDA decode kernel."""
+        return bool(self.small_scales)
 
     def weights(self, leaf: str) -> ExpertWeights:
         if leaf in self._parameters:
@@ -119,7 +125,6 @@ class Experts(nn.Module):
         for leaf in LEAVES:
             self._buffers[f"{leaf}_codes"] = mma_layout(self._buffers[f"{leaf}_codes"], in_place=True)
             self.small_scales[leaf] = small_scales(self._buffers[f"{leaf}_scales"])
-        self.mma_layout = True
         return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

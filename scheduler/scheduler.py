@@ -254,17 +254,15 @@ class Scheduler:
             return ()
         if not request.takes_drafts:
             return ()
-        params = request.params
-        room = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
-                   self.limits.max_model_len - request.num_tokens - 1)
+        room = min(budget - 1, self._draft_room_after(request))
         if self.spec_policy is not None:
             room = min(room, self.spec_policy.draft_count(len(self.running), len(drafts), request.probing))
         return drafts[: max(room, 0)]
 
     def _draft_room_after(self, request: Request) -> int:
         """Drafts the chunk after those in flight could verify past its own token, the draws in flight
-        counted as landed (max_tokens and max_model_len, as `_drafts` will count them then): none, and
-        drafting after the chunk in flight would be wasted."""
+        counted as landed: what max_tokens and max_model_len leave (`_drafts` cuts to it; none, and
+        drafting after the chunk in flight would be wasted)."""
         return min(request.params.max_tokens - len(request.output_token_ids) - request.draws_in_flight - 1,
                    self.limits.max_model_len - request.num_tokens - 1)
 

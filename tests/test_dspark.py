@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import math
 import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -301,17 +302,22 @@ def successor_markov(weights: dict[str, torch.Tensor], sequences: list[list[int]
         weights[head][b, i] += strength
 
 
+def rigged_copy(draft_dir: Path, out: Path, sequences: list[list[int]]) -> Path:
+    """A copy of the draft at `out` with its Markov head following the bigrams of `sequences` (some drafts pass)."""
+    shutil.copytree(draft_dir, out)
+    weights = load_file(out / "model.safetensors")
+    successor_markov(weights, sequences)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
 def test_greedy_with_dspark_drafts_is_plain_greedy_and_drafts_as_afresh(dirs, tmp_path):
     """Deterministic mode: plain greedy's tokens and bitwise logprobs with the proposer's drafts fed back
     (K = 4 of a block of 5); every step's drafts those of the draft run afresh over the whole sequence;
     with a Markov head rigged to the plain run's bigrams some steps accept drafts and some reject them."""
     plain = decode(ModelRunner(with_draft(dirs), num_slots=2, max_model_len=128, deterministic=True), 30)[0]
     target, draft_dir = dirs
-    rigged = tmp_path / "rigged"
-    shutil.copytree(draft_dir, rigged)
-    weights = load_file(rigged / "model.safetensors")
-    successor_markov(weights, [[*PROMPT, *(t.token_id for t in plain)]])
-    save_file(weights, str(rigged / "model.safetensors"))
+    rigged = rigged_copy(draft_dir, tmp_path / "rigged", [[*PROMPT, *(t.token_id for t in plain)]])
     for directory in (draft_dir, rigged):
         model = with_draft(dirs, directory)
         proposer = DSparkProposer(model, num_slots=2, k=K)
@@ -371,6 +377,19 @@ def served_workload(base: str) -> dict[str, object]:
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the servers' torch: a busy machine's other core must not stall its steps
+SERVED = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=6", "--max-num-seqs", "3")
+
+
+def served_without_drafts(target: Path, draft_dir: Path, out: Path) -> tuple[dict[str, object], str]:
+    """`served_workload` on `target` served without drafts (it must preempt and hit its prefix cache), and
+    the --speculative-config of a DSpark draft (K = 5, fixed) whose Markov head follows those replies'
+    bigrams, copied to `out`."""
+    with running_server(target, "spec", *SERVED, env=ONE_THREAD) as base:
+        plain = served_workload(base)
+        preempted, hits = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
+        assert preempted > 0 and hits > 0
+    rigged = rigged_copy(draft_dir, out, [ids for ids, _, _ in plain["mixed"] + plain["crowded"]])
+    return plain, json.dumps({"method": "dspark", "num_speculative_tokens": 5, "model": str(rigged), "adaptive": False})
 
 
 def test_served_greedy_with_dspark_drafts_is_greedy_without_them(dirs, tmp_path):
@@ -380,18 +399,8 @@ def test_served_greedy_with_dspark_drafts_is_greedy_without_them(dirs, tmp_path)
     bitwise the same logprobs as without, the seeded sampled reply the same text; both servers preempted
     and hit their prefix cache; drafts were verified, some accepted, some not."""
     target, draft_dir = dirs
-    common = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=6", "--max-num-seqs", "3")
-    with running_server(target, "spec", *common, env=ONE_THREAD) as base:
-        plain = served_workload(base)
-        preempted, hits = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
-        assert preempted > 0 and hits > 0
-    rigged = tmp_path / "rigged"
-    shutil.copytree(draft_dir, rigged)
-    weights = load_file(rigged / "model.safetensors")
-    successor_markov(weights, [ids for ids, _, _ in plain["mixed"] + plain["crowded"]])
-    save_file(weights, str(rigged / "model.safetensors"))
-    config = json.dumps({"method": "dspark", "num_speculative_tokens": 5, "model": str(rigged), "adaptive": False})
-    with running_server(target, "spec", *common, "--speculative-config", config, env=ONE_THREAD) as base:
+    plain, config = served_without_drafts(target, draft_dir, tmp_path / "rigged")
+    with running_server(target, "spec", *SERVED, "--speculative-config", config, env=ONE_THREAD) as base:
         drafting = served_workload(base)
         drafts, accepted, preempted, hits = settled_metrics(
             base, "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",

@@ -33,6 +33,7 @@ from tests.test_dspark import (
     K,
     ONE_THREAD,
     PROMPT,
+    SERVED,
     block_inputs,
     check_draft_forward,
     config_of,
@@ -43,10 +44,11 @@ from tests.test_dspark import (
     merge,
     moe,
     release_spelling,
+    rigged_copy,
     rms,
     rope,
+    served_without_drafts,
     served_workload,
-    successor_markov,
 )
 from tests.test_dspark_memory import dspark_rig, tensors
 from worker import ModelRunner
@@ -70,15 +72,6 @@ def with_draft(dirs, draft=None, keep_quantized=False):
     model = load_model(target, keep_quantized=keep_quantized)
     attach_dspark(model, draft or default, keep_quantized=keep_quantized)
     return model
-
-
-def rigged_copy(draft_dir, out, sequences):
-    """The draft with its Markov head following the bigrams of `sequences` (some drafts pass)."""
-    shutil.copytree(draft_dir, out)
-    weights = load_file(out / "model.safetensors")
-    successor_markov(weights, sequences)
-    save_file(weights, str(out / "model.safetensors"))
-    return out
 
 
 # -- loading ------------------------------------------------------------------------------------------
@@ -285,14 +278,8 @@ def test_served_greedy_with_v4_dspark_drafts_is_greedy_without_them(dirs, tmp_pa
     every greedy reply has the same tokens and bitwise logprobs, the sampled one the same text; drafts
     were verified, some accepted, some not."""
     target, draft_dir = dirs
-    common = ("--deterministic", "--max-model-len", "512", "--set", "memory.num_kv_pages=6", "--max-num-seqs", "3")
-    with running_server(target, "spec", *common, env=ONE_THREAD) as base:
-        plain = served_workload(base)
-        preempted, hits = settled_metrics(base, "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")
-        assert preempted > 0 and hits > 0
-    rigged = rigged_copy(draft_dir, tmp_path / "rigged", [ids for ids, _, _ in plain["mixed"] + plain["crowded"]])
-    config = json.dumps({"method": "dspark", "num_speculative_tokens": 5, "model": str(rigged), "adaptive": False})
-    with running_server(target, "spec", *common, "--speculative-config", config, env=ONE_THREAD) as base:
+    plain, config = served_without_drafts(target, draft_dir, tmp_path / "rigged")
+    with running_server(target, "spec", *SERVED, "--speculative-config", config, env=ONE_THREAD) as base:
         drafting = served_workload(base)
         drafts, accepted = settled_metrics(base, "vllm:spec_decode_num_draft_tokens_total",
                                            "vllm:spec_decode_num_accepted_tokens_total")
