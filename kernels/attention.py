@@ -31,7 +31,13 @@ except ImportError:  # CPU-only installs: the reference path runs
 
 BLOCK_HEADS = 16
 BLOCK_KEYS = 32
-KEYS_PER_SPLIT = 64
+# One tile of keys a split, and 8 warps for the in-place kernel: at a batch of 1 a step has ~64 heads /
+# 16 x (window + entries) / 32 programs, and a split's latency, not its work, sets the time. Measured
+# on the H200 (nineteenth session, slice decode, released, context 0 / 8192): 64 keys x 4 warps 744 /
+# 3,622 tok/s at batch 1 / 8; 32 x 4 763 / 3,677; 128 x 4 695 / 3,525; 64 x 8 759 / 3,665; 32 x 8
+# 769 / 3,679.
+KEYS_PER_SPLIT = 32
+IN_PLACE_WARPS = 8
 
 
 def decode_attention_reference(
@@ -171,7 +177,7 @@ def decode_attention_in_place_triton(q: torch.Tensor, source: DecodeKeys, sinks:
         tables.stride(0), ids, ids.stride(0), part_max, part_sum, part_acc, scale,
         heads, window, source.window, entry_keys, entries.shape[1] if has_entries else 1, source.rate, splits,
         HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=BLOCK_HEADS,
-        BLOCK_K=BLOCK_KEYS, KEYS_PER_SPLIT=KEYS_PER_SPLIT, num_warps=4,
+        BLOCK_K=BLOCK_KEYS, KEYS_PER_SPLIT=KEYS_PER_SPLIT, num_warps=IN_PLACE_WARPS,
     )
     return _merge(q, part_max, part_sum, part_acc, sinks)
 
