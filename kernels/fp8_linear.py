@@ -163,33 +163,71 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     """`fp8_linear_reference` by the split-K kernel; `config` None: decode_config(block, rows).
     `last_sums`: a tile's last share adds the shares (one launch) where the counters allow; False: a
     second kernel adds them (the same bits; kept to measure the difference)."""
-    n, k = weight.shape
-    rows = x.reshape(-1, k).contiguous()
-    m = rows.shape[0]
+    k = weight.shape[1]
+    out = _split_k(x.reshape(-1, k), [(weight, scale)], block, config, last_sums)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],
+                    block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_linear(x, *first), fp8_linear(x, *second)) for two weights that read the same x (q_a and
+    kv, a shared expert's gate and up): one split-K launch over both where x is decode-sized, which at
+    a batch of 1 costs about one launch's latency instead of two. The results are column slices of one
+    [rows, N1 + N2] tensor, the same values `fp8_linear` gives each; elsewhere two calls."""
+    (w1, s1), (w2, s2) = first, second
+    rows = x.numel() // x.shape[-1]
+    config = decode_config(block, rows)
+    fused = (triton is not None and x.is_cuda and rows <= TRITON_MAX_ROWS.get(block, 16)
+             and w1.shape[1] == w2.shape[1] and w1.shape[0] % config.block_n == 0 and w1.shape[0] % block == 0)
+    if not fused:
+        return fp8_linear(x, w1, s1, block), fp8_linear(x, w2, s2, block)
+    return fp8_linear_pair_triton(x, first, second, block, config)
+
+
+def fp8_linear_pair_triton(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                           second: tuple[torch.Tensor, torch.Tensor], block: int = FP8_BLOCK,
+                           config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_linear_pair` by one split-K launch; first's N a multiple of the config's column tile."""
+    n1 = first[0].shape[0]
+    out = _split_k(x.reshape(-1, x.shape[-1]), [first, second], block, config, True)
+    return out[:, :n1].view(*x.shape[:-1], n1), out[:, n1:].view(*x.shape[:-1], second[0].shape[0])
+
+
+def _split_k(rows: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], block: int, config: DecodeConfig | None,
+             last_sums: bool) -> torch.Tensor:
+    """rows [M, K] times one or two (W [N_i, K] fp8, scale) side by side -> [M, N_1 (+ N_2)] in rows' dtype."""
+    rows = rows.contiguous()
+    m, k = rows.shape
+    n = sum(weight.shape[0] for weight, _ in parts)
     config = config or decode_config(block, m)
     if config.block_k % block and block % config.block_k:
         raise ValueError(f"K step {config.block_k}: a multiple or a divisor of the {block} scale block")
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    if len(parts) == 2 and (parts[0][0].shape[0] % config.block_n or parts[0][0].shape[1] != parts[1][0].shape[1]):
+        raise ValueError(f"a pair needs the first N a multiple of the {config.block_n}-column tile and one K")
+    tiles = triton.cdiv(m, BLOCK_M) * sum(triton.cdiv(weight.shape[0], config.block_n) for weight, _ in parts)
     k_steps = triton.cdiv(k, config.block_k)
     split = max(1, min(k_steps, config.programs // max(tiles, 1)))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if not m:
-        return out.view(*x.shape[:-1], n)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = tile_counters(x.device, tiles) if last_sums and split > 1 else None
+        return out
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=rows.device) if split > 1 else out
+    counters = tile_counters(rows.device, tiles) if last_sums and split > 1 else None
     hw = not _interpreting()
-    _fp8_linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n), split)](
-        rows, weight if hw else weight.view(torch.uint8), scale.float().contiguous(), partial, out,
-        partial if counters is None else counters, m, n, k, scale.shape[1], steps_per_split, split, BLOCK=block,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", LAST_SUMS=counters is not None,
+    weights = [weight if hw else weight.view(torch.uint8) for weight, _ in parts]
+    scales = [scale.float().contiguous() for _, scale in parts]
+    pair = len(parts) == 2
+    _fp8_linear_kernel[(triton.cdiv(m, BLOCK_M), tiles // triton.cdiv(m, BLOCK_M), split)](
+        rows, weights[0], scales[0], weights[-1], scales[-1], partial, out,
+        partial if counters is None else counters, m, n, parts[0][0].shape[0], k, scales[0].shape[1], steps_per_split,
+        split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
+        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", LAST_SUMS=counters is not None, PAIR=pair,
         num_warps=config.warps, num_stages=config.stages,
     )
     if split > 1 and counters is None:
         _sum_shares_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, split, BLOCK=SUM_BLOCK, num_warps=4)
-    return out.view(*x.shape[:-1], n)
+    return out
 
 
 if triton is not None:
@@ -218,32 +256,42 @@ if triton is not None:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
         return w.to(dtype)
 
-    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split", "shares"])
-    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, partial_ptr, y_ptr, counter_ptr, m, n, k, k_blocks,
-                           steps_per_split, shares, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr, PRECISION: tl.constexpr,
-                           LAST_SUMS: tl.constexpr):
+    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split", "shares", "n_first"])
+    def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, w2_ptr, scale2_ptr, partial_ptr, y_ptr, counter_ptr, m, n, n_first,
+                           k, k_blocks, steps_per_split, shares, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
+                           PRECISION: tl.constexpr, LAST_SUMS: tl.constexpr, PAIR: tl.constexpr):
         """Program (i, j, s): rows tile i, columns tile j, K steps [s * steps_per_split, ...) -> the
         float32 partial sums partial[s, rows, cols], or with one share (a grid of one along axis 2) y
         itself in y's dtype (partial is y then). LAST_SUMS: the tile's last program to finish (its arrival
         counter says so) adds the shares in share order into y, as _sum_shares_kernel would, and resets
         the counter: no second launch, the same bits. m, k_blocks and the steps are not specialized on
         (one compiled kernel for every decode batch and split); the shares start at multiples of
-        BLOCK_K, so the loads keep their vector width."""
+        BLOCK_K, so the loads keep their vector width. PAIR: y's columns [0, n_first) are W's (scale's),
+        the rest W2's (scale2's), both of K columns; n_first a multiple of BLOCK_N, so a tile is one
+        matrix's."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.program_id(1)
+        w_base, scale_base, n_local, column0 = w_ptr, scale_ptr, n, n_first * 0  # int32 in both branches
+        if PAIR:
+            first_tiles = n_first // BLOCK_N
+            if tile >= first_tiles:
+                w_base, scale_base, n_local, column0, tile = w2_ptr, scale2_ptr, n - n_first, n_first, tile - first_tiles
+            else:
+                n_local = n_first
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # W's rows (y's columns minus column0)
         share = tl.program_id(2)
-        in_rows, in_cols = rows < m, cols < n
+        in_rows, in_cols = rows < m, cols < n_local
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         first = share * steps_per_split * BLOCK_K
         for start in range(first, tl.minimum(first + steps_per_split * BLOCK_K, k), BLOCK_K):
             inner = start + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
                          mask=in_rows[:, None] & (inner < k)[None, :], other=0.0)
-            w = _scaled_w_tile(w_ptr, scale_ptr, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
+            w = _scaled_w_tile(w_base, scale_base, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
                                HW_CVT)
             acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION, out_dtype=tl.float32)
-        offsets = rows[:, None].to(tl.int64) * n + cols[None, :]
+        offsets = rows[:, None].to(tl.int64) * n + (column0 + cols)[None, :]
         inside = in_rows[:, None] & in_cols[None, :]
         tl.store(partial_ptr + share.to(tl.int64) * m * n + offsets, acc.to(partial_ptr.dtype.element_ty), mask=inside)
         if LAST_SUMS:

@@ -81,11 +81,21 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 def clamped_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    """gate and up may be row-strided (column slices of one wider output, as fp8_linear_pair's): read
+    in place; out is contiguous."""
+    shape, width = gate.shape, gate.shape[-1]
+    gate, up = _rows_in_place(gate), _rows_in_place(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     count = gate.numel()
-    _clamped_swiglu_kernel[(triton.cdiv(count, SWIGLU_BLOCK),)](gate, up, out, count, limit, BLOCK=SWIGLU_BLOCK)
-    return out
+    _clamped_swiglu_kernel[(triton.cdiv(count, SWIGLU_BLOCK),)](gate, up, out, count, width, gate.stride(0), up.stride(0),
+                                                                limit, BLOCK=SWIGLU_BLOCK)
+    return out.view(shape)
+
+
+def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, width] with unit column stride, a view where x allows it."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -225,12 +235,14 @@ def experts_on_device(
 if triton is not None:
 
     @triton.jit(do_not_specialize=["count"])
-    def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, count, limit, BLOCK: tl.constexpr):
+    def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, count, width, gate_stride, up_stride, limit,
+                               BLOCK: tl.constexpr):
         limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = index < count
-        gate = tl.minimum(tl.load(gate_ptr + index, mask=inside, other=0.0).to(tl.float32), limit)
-        up = tl.load(up_ptr + index, mask=inside, other=0.0).to(tl.float32)
+        row, column = index // width, index % width
+        gate = tl.minimum(tl.load(gate_ptr + row * gate_stride + column, mask=inside, other=0.0).to(tl.float32), limit)
+        up = tl.load(up_ptr + row * up_stride + column, mask=inside, other=0.0).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         out = silu * tl.minimum(tl.maximum(up, -limit), limit)
         tl.store(out_ptr + index, out.to(out_ptr.dtype.element_ty), mask=inside)

@@ -37,22 +37,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1 or rows.stride(0) != dim:
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    # rows may be strided (a column slice of a wider output, as fp8_linear_pair's): read in place
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # both forms cast back to the input dtype
     if rows.shape[0]:
         block = min(BLOCK, triton.next_power_of_2(dim))
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight, out, dim, eps, weight is not None, BLOCK=block)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight, out, rows.stride(0), dim, eps,
+                                           weight is not None, BLOCK=block)
     return out.view(x.shape)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, dim, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_stride, dim, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
         eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
         row = tl.program_id(0).to(tl.int64)
-        x_row, out_row = x_ptr + row * dim, out_ptr + row * dim
+        x_row, out_row = x_ptr + row * x_stride, out_ptr + row * dim
         squares = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, dim, BLOCK):
             offsets = start + tl.arange(0, BLOCK)

@@ -19,7 +19,7 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
-from models.layers import RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
+from models.layers import RMSNorm, RotaryTable, apply_rope, project_pair, unweighted_rms_norm
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
@@ -129,10 +129,11 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(cos, sin, q's low-rank residual, q [T, heads, head_dim], kv [T, head_dim]), both roped."""
         cos, sin = self.rope(positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
+        q_residual = self.q_a_norm(q_low)
         q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
         return cos, sin, q_residual, q, kv
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, select_candidate_blocks
-from models.layers import RotaryTable, apply_rope
+from models.layers import RotaryTable, apply_rope, project_pair
 from models.parallel import SINGLE, TensorParallel
 
 
@@ -88,9 +88,10 @@ class SharedCompressedAttention(nn.Module):
             return self.decode(x, batch, cache, selections[0])
         n_tokens = x.shape[0]
         cos, sin = self.rope(batch.positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
+        q_residual = self.q_a_norm(q_low)
         q = apply_rope(self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        kv = self.quantize_kv(apply_rope(self.kv_norm(kv), cos, sin))
         out = torch.empty_like(q)
         for index, chunk in enumerate(batch.chunks):
             rows = chunk.rows
@@ -107,9 +108,10 @@ class SharedCompressedAttention(nn.Module):
         """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows,
         then the entries the latest index source picked, through the decode attention kernel."""
         cos, sin = self.rope(batch.positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
+        q_residual = self.q_a_norm(q_low)
         q = apply_rope(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin))
+        kv = self.quantize_kv(apply_rope(self.kv_norm(kv), cos, sin))
         layer = cache.layers[self.layer]
         if self.compressor is not None:
             self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)

@@ -128,7 +128,7 @@ from models.attention import add_attention_projections, attention_output
 from models.config import MOE, SLIDING, ConfigError, ModelConfig
 from models.config_v41 import text_config
 from models.hyper import HyperConnection, HyperHead, collapse, merge_streams
-from models.layers import Fp8Linear, RMSNorm, RotaryTable, apply_rope, unweighted_rms_norm
+from models.layers import Fp8Linear, RMSNorm, RotaryTable, apply_rope, project_pair, unweighted_rms_norm
 from models.loader import (
     CheckpointError,
     TensorSource,
@@ -309,9 +309,10 @@ class DSparkAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: BlockBatch, ring: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope(batch.positions)
         n, block = batch.slots.shape[0], batch.block
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(n * block, self.num_heads, self.head_dim)
+        q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
+        q = self.q_b_proj(self.q_a_norm(q_low)).view(n * block, self.num_heads, self.head_dim)
         q = apply_rope(self.normalize_q(q), cos, sin).view(n, block, self.num_heads, self.head_dim)
-        own = self.quantize_kv(apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)).view(n, block, -1)
+        own = self.quantize_kv(apply_rope(self.kv_norm(kv), cos, sin)).view(n, block, -1)
         context, valid = batch.context(ring)
         keys = torch.cat([context.to(own.dtype), own], dim=1).float()
         valid = torch.cat([valid, valid.new_ones(n, block)], dim=1)

@@ -9,7 +9,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from kernels.fp8_linear import fp8_linear
+from kernels.fp8_linear import fp8_linear, fp8_linear_pair
 from kernels.norm import rms_norm
 from kernels.quant import FP8_BLOCK
 from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
@@ -41,6 +41,16 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.block)
+
+
+def project_pair(x: torch.Tensor, first: nn.Module, second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for two projections of the same x (attention's q_a and kv, a shared
+    expert's gate and up): where both hold released FP8 of one block size, one kernel launch for the
+    two (`fp8_linear_pair`; at a batch of 1 a launch's latency is most of a small projection's time);
+    otherwise each on its own."""
+    if isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear) and first.block == second.block:
+        return fp8_linear_pair(x, (first.weight, first.weight_scale), (second.weight, second.weight_scale), first.block)
+    return first(x), second(x)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

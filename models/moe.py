@@ -32,6 +32,7 @@ from kernels.mma_layout import MXFP4MMAExperts, mma_layout, small_scales
 from kernels.moe_mxfp4_mma import supported
 from kernels.router import SCORE_FUNCTIONS, route
 from models.config import HASH_MOE, ModelConfig
+from models.layers import project_pair
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
@@ -158,7 +159,7 @@ class SharedExpert(nn.Module):
         self.down_proj = mark_shards(nn.Linear(rows.size, d, bias=False), weight=columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(clamped_swiglu(*project_pair(x, self.gate_proj, self.up_proj), self.limit))
 
 
 class MoE(nn.Module):

@@ -471,6 +471,22 @@ def test_fp8_linear_kernel_compiled_equals_the_reference(dtype):
 
 
 @pytest.mark.parametrize("block", [128, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_pair_compiled_equals_the_references(block, dtype):
+    from tests.test_triton_kernels import check_fp8_linear_pair
+
+    check_fp8_linear_pair(rows=1, n1=1024, n2=512, k=4096, dtype=dtype, seed=block, device="cuda", block=block)  # q_a, kv
+    check_fp8_linear_pair(rows=7, n1=2048, n2=2048, k=4096, dtype=dtype, seed=5, device="cuda", block=block)  # gate, up
+
+
+def test_paired_outputs_feed_the_norm_and_swiglu_kernels_in_place():
+    from tests.test_triton_kernels import check_clamped_swiglu, check_rms_norm
+
+    check_rms_norm((5, 1024), torch.bfloat16, True, seed=1, device="cuda", strided=True)
+    check_clamped_swiglu((5, 2048), torch.bfloat16, seed=2, device="cuda", side_by_side=True)
+
+
+@pytest.mark.parametrize("block", [128, 32])
 def test_fp8_linear_last_share_sums_compiled_are_the_sum_kernels_bits(block):
     """The split-K kernel whose last program of a tile adds the shares (arrival counters, acq_rel):
     bitwise the two-kernel path's result, eagerly and replayed in a CUDA graph many times over (a

@@ -25,9 +25,16 @@ def check_hc_mixes(n: int, tokens: int, seed: int, device: str = DEVICE) -> None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int, device: str = DEVICE) -> None:
+def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int, device: str = DEVICE,
+                   strided: bool = False) -> None:
+    """`strided`: x is a column slice of a wider tensor (rows read in place, as a paired FP8 linear's
+    outputs are)."""
     generator = torch.Generator(device).manual_seed(seed)
     x = (torch.randn(shape, generator=generator, device=device) * 2).to(dtype)
+    if strided:
+        wide = torch.randn(*shape[:-1], shape[-1] + 5, generator=generator, device=device).to(dtype)
+        wide[..., 3:3 + shape[-1]] = x
+        x = wide[..., 3:3 + shape[-1]]
     weight = torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
     got, want = rms_norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -149,6 +156,8 @@ def test_router_logits_split_over_channels_equal_the_reference():
 def test_rms_norm_kernel_equals_the_reference(dtype, weighted):
     check_rms_norm((3, 1500), dtype, weighted, seed=1)  # two blocks of 1024, the second partial
     check_rms_norm((2, 4, 32), dtype, weighted, seed=2)  # per head, one short block
+    check_rms_norm((3, 1500), dtype, weighted, seed=3, strided=True)
+    check_rms_norm((2, 4, 32), dtype, weighted, seed=4, strided=True)
 
 
 def check_decode_attention(batch: int, heads: int, n_keys: int, dim: int, dtype: torch.dtype, seed: int,
@@ -288,12 +297,18 @@ def test_moe_pair_kernels_equal_their_references():
     check_moe_pairs(tokens=3, k=2, dim=64, shares=3, seed=1)
 
 
-def check_clamped_swiglu(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
+def check_clamped_swiglu(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = DEVICE,
+                         side_by_side: bool = False) -> None:
+    """`side_by_side`: gate and up are the two column halves of one tensor (a paired FP8 linear's output)."""
     from kernels.moe import clamped_swiglu_reference, clamped_swiglu_triton
 
     generator = torch.Generator(device).manual_seed(seed)
-    gate = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
-    up = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
+    if side_by_side:
+        both = (torch.randn(*shape[:-1], 2 * shape[-1], generator=generator, device=device) * 6).to(dtype)
+        gate, up = both.split(shape[-1], dim=-1)
+    else:
+        gate = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
+        up = (torch.randn(shape, generator=generator, device=device) * 6).to(dtype)
     got, want = clamped_swiglu_triton(gate, up, 7.0), clamped_swiglu_reference(gate, up, 7.0)
     assert got.dtype == want.dtype and got.abs().max() <= 7.0 * 7.0
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -303,6 +318,7 @@ def check_clamped_swiglu(shape: tuple[int, ...], dtype: torch.dtype, seed: int, 
 def test_clamped_swiglu_kernel_equals_the_reference():
     """Values past the clamp of 7 on both sides, and a length not a multiple of the 1024-element block."""
     check_clamped_swiglu((3, 700), torch.float32, seed=0)
+    check_clamped_swiglu((3, 700), torch.float32, seed=1, side_by_side=True)
 
 
 def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
@@ -516,6 +532,34 @@ def check_fp8_linear(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, d
     assert got.dtype == dtype and got.shape == (rows, n)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * k**0.5)
+
+
+def check_fp8_linear_pair(rows: int, n1: int, n2: int, k: int, dtype: torch.dtype, seed: int, device: str = DEVICE,
+                          block: int = 128) -> None:
+    """Two weights on one x in one launch: each output as `fp8_linear_reference` gives it (within the
+    split-K kernel's tolerance), as column slices of one tensor; the first N a multiple of the column
+    tile, the second not; a first N off the tile is refused."""
+    from kernels.fp8_linear import decode_config, fp8_linear_pair_triton, fp8_linear_reference
+
+    generator = torch.Generator(device).manual_seed(seed)
+    first = random_fp8_weight(n1, k, block, generator, device)
+    second = random_fp8_weight(n2, k, block, generator, device)
+    x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
+    y1, y2 = fp8_linear_pair_triton(x, first, second, block)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for got, (weight, scale) in ((y1, first), (y2, second)):
+        want = fp8_linear_reference(x, weight, scale, block)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * k**0.5)
+    assert y1.untyped_storage().data_ptr() == y2.untyped_storage().data_ptr()  # one output tensor
+    odd = random_fp8_weight(decode_config(block, rows).block_n + 1, k, block, generator, device)
+    with pytest.raises(ValueError, match="column tile"):
+        fp8_linear_pair_triton(x, odd, second, block)
+
+
+def test_fp8_linear_pair_equals_two_references():
+    check_fp8_linear_pair(rows=3, n1=128, n2=70, k=300, dtype=torch.float32, seed=0)
+    check_fp8_linear_pair(rows=1, n1=64, n2=32, k=96, dtype=torch.float32, seed=1, block=32)
 
 
 def check_fp8_linear_w8a8(rows: int, n: int, k: int, block: int, seed: int, device: str = DEVICE,
