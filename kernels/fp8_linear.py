@@ -12,8 +12,13 @@ Decode reads every weight once a step, so keeping W in fp8 halves the bytes a bf
   eager runs bitwise), nor on the batch while the rows fit one tile. Its tile, K step, grid size, warps
   and pipelining depth are `DECODE_CONFIGS` (by block size and rows), picked by bench.kernels' fp8_decode
   sweep.
+- `fp8_linear_pair`: two weights that read the same x (q_a and kv, a shared expert's gate and up)
+  in one split-K launch, their outputs side by side in one tensor (returned as column slices; the
+  norm and SwiGLU kernels read them in place). At a batch of 1 a small projection's time is mostly one
+  launch's latency: on the H200 this took a V4-Flash step's FP8 launches from 28 to 20.
 Both round each product of W's values and scales to x's dtype first, so they differ only in the order
-of the float32 accumulation.
+of the float32 accumulation. (Scaling each block's dot after it instead, exact for power-of-two
+scales, measured slower at every V4 shape: BENCHMARKS.md, nineteenth session.)
 - `fp8_linear_dequant` (x above TRITON_MAX_ROWS rows: prefill, decode batches): one Triton pass writes
   W in x's dtype, bitwise the reference's, then cuBLAS; on the H200 this beat the split-K kernel above
   32 rows (128 blocks) / 16 (32 blocks) and the torch dequantization by 1.4-2.3x (bench/fp8_linear.py;
