@@ -17,7 +17,7 @@ Engram tables are not weights here: they live in their own tiers (engine/plan.py
 A DSpark draft (`draft_tensors`, --speculative-config method dspark) is counted as the engine holds it,
 from its own config.json: models/dspark.py builds it on the meta device as load_dspark holds a
 checkpoint in the release's formats (with `checkpoint`: FP8 linears with float32 block scales, MXFP4
-experts, o_a_proj dequantized), so its figure is the loaded draft's bytes, not the files'.
+experts), so its figure is the loaded draft's bytes, not the files'.
 
 Across tensor-parallel ranks, the sharding of issue 9: routed experts (expert parallel), the q / o
 projections, the shared expert, the embedding and the head are split; everything else is replicated.

@@ -102,6 +102,44 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return fp8_linear_dequant(x, weight, scale, block)
 
 
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+                       block: int = FP8_BLOCK) -> torch.Tensor:
+    """A block-diagonal projection held as released (attention's o_a_proj): x [..., groups * K], weight
+    [groups * N_g, K] fp8 (group g's rows read x's g-th run of K columns), scale per block x block tile
+    -> [..., groups * N_g] in x's dtype. Decode-sized x on the GPU: the split-K kernel, each column tile
+    reading its group's run of x (one launch; half the bytes of the bf16 copy serving used to hold);
+    elsewhere `fp8_grouped_linear_reference` (the Triton dequantization pass on the GPU)."""
+    rows = x.numel() // x.shape[-1]
+    n, k = weight.shape
+    if triton is None or not x.is_cuda:
+        return fp8_grouped_linear_reference(x, weight, scale, groups, block)
+    if rows <= TRITON_MAX_ROWS.get(block, 16) and (n // groups) % decode_config(block, rows).block_n == 0:
+        return fp8_grouped_linear_triton(x, weight, scale, groups, block)
+    dense = dequantize_fp8_blocks_triton(weight, scale, block, x.dtype)
+    return _grouped_product(x, dense, groups)
+
+
+def fp8_grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+                              block: int = FP8_BLOCK, config: DecodeConfig | None = None) -> torch.Tensor:
+    """`fp8_grouped_linear` by the split-K kernel (one launch); N / groups a multiple of the column tile."""
+    n, k = weight.shape
+    out = _split_k(x.reshape(-1, groups * k), [(weight, scale)], block, config, True, groups)
+    return out.view(*x.shape[:-1], n)
+
+
+def fp8_grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+                                 block: int = FP8_BLOCK) -> torch.Tensor:
+    """W dequantized (each value x its block's scale, rounded to x's dtype), then each group's product."""
+    return _grouped_product(x, dequantize_fp8_blocks(weight, scale, block).to(x.dtype), groups)
+
+
+def _grouped_product(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [..., groups * K] by the block-diagonal weight [groups * N_g, K] -> [..., groups * N_g]."""
+    grouped = x.reshape(-1, groups, weight.shape[1])
+    product = torch.einsum("ngi,gri->ngr", grouped, weight.view(groups, -1, weight.shape[1]))
+    return product.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """The reference with its dequantization in one Triton pass (fp8 read, x's dtype written): the same
     W in x's dtype bit for bit, then the same F.linear, so the same result."""
@@ -199,16 +237,22 @@ def fp8_linear_pair_triton(x: torch.Tensor, first: tuple[torch.Tensor, torch.Ten
 
 
 def _split_k(rows: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], block: int, config: DecodeConfig | None,
-             last_sums: bool) -> torch.Tensor:
-    """rows [M, K] times one or two (W [N_i, K] fp8, scale) side by side -> [M, N_1 (+ N_2)] in rows' dtype."""
+             last_sums: bool, groups: int = 1) -> torch.Tensor:
+    """rows [M, groups * K] times one or two (W [N_i, K] fp8, scale) side by side -> [M, N_1 (+ N_2)] in
+    rows' dtype; with groups > 1 (one W), output column c reads x's run c // (N / groups) of K columns."""
     rows = rows.contiguous()
-    m, k = rows.shape
+    m = rows.shape[0]
+    k = parts[0][0].shape[1]
     n = sum(weight.shape[0] for weight, _ in parts)
+    if rows.shape[1] != groups * k or (groups > 1 and len(parts) > 1):
+        raise ValueError(f"x of {rows.shape[1]} columns for {groups} group(s) of {k}")
     config = config or decode_config(block, m)
     if config.block_k % block and block % config.block_k:
         raise ValueError(f"K step {config.block_k}: a multiple or a divisor of the {block} scale block")
     if len(parts) == 2 and (parts[0][0].shape[0] % config.block_n or parts[0][0].shape[1] != parts[1][0].shape[1]):
         raise ValueError(f"a pair needs the first N a multiple of the {config.block_n}-column tile and one K")
+    if groups > 1 and (n % groups or (n // groups) % config.block_n):
+        raise ValueError(f"{groups} groups of {n} / {groups} columns: each a multiple of the {config.block_n}-column tile")
     tiles = triton.cdiv(m, BLOCK_M) * sum(triton.cdiv(weight.shape[0], config.block_n) for weight, _ in parts)
     k_steps = triton.cdiv(k, config.block_k)
     split = max(1, min(k_steps, config.programs // max(tiles, 1)))
@@ -225,8 +269,8 @@ def _split_k(rows: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]],
     pair = len(parts) == 2
     _fp8_linear_kernel[(triton.cdiv(m, BLOCK_M), tiles // triton.cdiv(m, BLOCK_M), split)](
         rows, weights[0], scales[0], weights[-1], scales[-1], partial, out,
-        partial if counters is None else counters, m, n, parts[0][0].shape[0], k, scales[0].shape[1], steps_per_split,
-        split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
+        partial if counters is None else counters, m, n, parts[0][0].shape[0], n // groups, k, groups * k,
+        scales[0].shape[1], steps_per_split, split, BLOCK=block, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HW_CVT=hw,
         PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", LAST_SUMS=counters is not None, PAIR=pair,
         num_warps=config.warps, num_stages=config.stages,
     )
@@ -261,9 +305,11 @@ if triton is not None:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, BLOCK)) * s[:, :, None], (BLOCK_N, BLOCK_K))
         return w.to(dtype)
 
-    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split", "shares", "n_first"])
+    # x_stride stays specialized: Triton then knows x's rows are 16-aligned and loads them in vectors
+    # (unspecialized, every FP8 launch of a batch-1 step ran ~1.5x slower on the H200)
+    @triton.jit(do_not_specialize=["m", "k_blocks", "steps_per_split", "shares", "n_first", "n_group"])
     def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, w2_ptr, scale2_ptr, partial_ptr, y_ptr, counter_ptr, m, n, n_first,
-                           k, k_blocks, steps_per_split, shares, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                           n_group, k, x_stride, k_blocks, steps_per_split, shares, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
                            PRECISION: tl.constexpr, LAST_SUMS: tl.constexpr, PAIR: tl.constexpr):
         """Program (i, j, s): rows tile i, columns tile j, K steps [s * steps_per_split, ...) -> the
@@ -274,7 +320,8 @@ if triton is not None:
         (one compiled kernel for every decode batch and split); the shares start at multiples of
         BLOCK_K, so the loads keep their vector width. PAIR: y's columns [0, n_first) are W's (scale's),
         the rest W2's (scale2's), both of K columns; n_first a multiple of BLOCK_N, so a tile is one
-        matrix's."""
+        matrix's. Groups (one W): x's rows are x_stride apart and column tile j reads x's K columns from
+        (j * BLOCK_N // n_group) * K (n_group = n: all read the first K)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         tile = tl.program_id(1)
         w_base, scale_base, n_local, column0 = w_ptr, scale_ptr, n, n_first * 0  # int32 in both branches
@@ -285,13 +332,14 @@ if triton is not None:
             else:
                 n_local = n_first
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # W's rows (y's columns minus column0)
+        x_base = x_ptr + (tile * BLOCK_N // n_group).to(tl.int64) * k
         share = tl.program_id(2)
         in_rows, in_cols = rows < m, cols < n_local
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         first = share * steps_per_split * BLOCK_K
         for start in range(first, tl.minimum(first + steps_per_split * BLOCK_K, k), BLOCK_K):
             inner = start + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + inner[None, :],
+            xs = tl.load(x_base + rows[:, None].to(tl.int64) * x_stride + inner[None, :],
                          mask=in_rows[:, None] & (inner < k)[None, :], other=0.0)
             w = _scaled_w_tile(w_base, scale_base, cols, in_cols, start, k, k_blocks, xs.dtype, BLOCK, BLOCK_N, BLOCK_K,
                                HW_CVT)

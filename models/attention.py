@@ -19,22 +19,8 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
-from models.layers import RMSNorm, RotaryTable, apply_rope, project_pair, unweighted_rms_norm
+from models.layers import GroupedLinear, RMSNorm, RotaryTable, apply_rope, project_pair, unweighted_rms_norm
 from models.parallel import SINGLE, TensorParallel, mark_shards
-
-
-class GroupedLinear(nn.Module):
-    """Block-diagonal projection: each of `groups` slices of the input gets its own [rank, in/groups] map."""
-
-    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
-        super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grouped = x.view(x.shape[0], self.groups, -1)
-        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
-        return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
 
 
 def add_attention_projections(module: nn.Module, c: ModelConfig, tp: TensorParallel) -> int:

@@ -539,8 +539,7 @@ def held_draft(config: DSparkConfig, fp8: int | None = None, packed_experts: boo
     """The whole draft on the meta device in the form `load_dspark(keep_quantized=True)` holds a
     checkpoint in the release's formats: the linears the release stores FP8 (`stored_fp8_in_draft`) as
     Fp8Linear of `fp8` x `fp8` blocks (None: none), the routed experts as MXFP4 codes and exponents when
-    `packed_experts`; the rest as load_dspark holds it (o_a_proj, a grouped projection, dequantized, as
-    the target's). The confidence head without a bias, as the release has it. What `python -m server
+    `packed_experts`; the rest as load_dspark holds it (as the target's). The confidence head without a bias, as the release has it. What `python -m server
     plan` counts (engine/plan_weights.py)."""
     with torch.device("meta"):
         draft = DSparkDraft(config, nn.Identity(), nn.Identity())

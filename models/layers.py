@@ -1,4 +1,4 @@
-"""Small building blocks shared by the DeepSeek-V4 layers: RMS norms, interleaved RoPE, FP8 linears."""
+"""Small building blocks shared by the DeepSeek-V4 layers: RMS norms, interleaved RoPE, grouped and FP8 linears."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from kernels.fp8_linear import fp8_linear, fp8_linear_pair
+from kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_linear_pair
 from kernels.norm import rms_norm
 from kernels.quant import FP8_BLOCK
 from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
@@ -28,18 +28,36 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection (attention's o_a_proj): each of `groups` runs of the input's columns gets
+    its own [out_features / groups, in_features] map; `in_features` is one group's width."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.view(x.shape[0], self.groups, -1)
+        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
+
+
 class Fp8Linear(nn.Module):
     """A linear layer (no bias) whose weight stays as released, float8_e4m3fn values with one float32
-    scale per `block` x `block` tile (`model.quantization: checkpoint`): the loader puts it where
-    nn.Linear stood and the checkpoint stores FP8. Half the bytes a bf16 weight reads per step."""
+    scale per `block` x `block` tile (`model.quantization: checkpoint`): the loader puts it where an
+    nn.Linear or a GroupedLinear (`groups` > 1; `in_features` one group's width) stood and the checkpoint
+    stores FP8. Half the bytes a bf16 weight reads per step."""
 
-    def __init__(self, in_features: int, out_features: int, block: int = FP8_BLOCK) -> None:
+    def __init__(self, in_features: int, out_features: int, block: int = FP8_BLOCK, groups: int = 1) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.in_features, self.out_features, self.block, self.groups = in_features, out_features, block, groups
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.empty(-(-out_features // block), -(-in_features // block)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups > 1:
+            return fp8_grouped_linear(x, self.weight, self.weight_scale, self.groups, self.block)
         return fp8_linear(x, self.weight, self.weight_scale, self.block)
 
 
@@ -48,7 +66,8 @@ def project_pair(x: torch.Tensor, first: nn.Module, second: nn.Module) -> tuple[
     expert's gate and up): where both hold released FP8 of one block size, one kernel launch for the
     two (`fp8_linear_pair`; at a batch of 1 a launch's latency is most of a small projection's time);
     otherwise each on its own."""
-    if isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear) and first.block == second.block:
+    if (isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear) and first.block == second.block
+            and first.groups == second.groups == 1):
         return fp8_linear_pair(x, (first.weight, first.weight_scale), (second.weight, second.weight_scale), first.block)
     return first(x), second(x)
 

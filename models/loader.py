@@ -11,7 +11,8 @@ the MTP layers (`mtp.*`) unless `mtp` asks for them (models/mtp.py: `model.mtp`,
 are, in any of the formats above). Errors name the tensor and the file.
 
 `keep_quantized` (`model.quantization: checkpoint`) keeps them as stored instead where the GPU path
-reads them so: FP8 linears become `Fp8Linear` (models/layers.py) and MXFP4 routed experts stay packed
+reads them so: FP8 linears (attention's grouped o_a_proj included) become `Fp8Linear` (models/layers.py)
+and MXFP4 routed experts stay packed
 (`Experts.keep_packed`); a tensor stored otherwise, or cut by a tensor-parallel shard inside a scale
 block, is dequantized as above.
 
@@ -45,7 +46,7 @@ from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, _as_float_scales
 from models.config import ConfigError, ModelConfig
 from models.csa2 import SharedCompressor
 from models.engram_setup import TableRows, engram_memory
-from models.layers import Fp8Linear
+from models.layers import Fp8Linear, GroupedLinear
 from models.model import DeepseekV4
 from models.model_v41 import DeepseekV41
 from models.moe import Experts
@@ -427,8 +428,9 @@ def swap_in_fp8(model: nn.Module, name: str, block: int) -> Fp8Linear:
     """Puts an empty (meta) Fp8Linear of `block` x `block` scale blocks where the nn.Linear `name` stands,
     with its shard record; returns it."""
     linear = model.get_submodule(name)
+    groups = linear.groups if isinstance(linear, GroupedLinear) else 1
     with torch.device("meta"):
-        fp8 = Fp8Linear(linear.in_features, linear.out_features, block)
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, block, groups)
     if hasattr(linear, "tp_shards"):
         fp8.tp_shards = linear.tp_shards
     parent_name, _, child = name.rpartition(".")
@@ -436,18 +438,18 @@ def swap_in_fp8(model: nn.Module, name: str, block: int) -> Fp8Linear:
     return fp8
 
 
-def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Linear | GroupedLinear]]:
     """The linear layers that may run as Fp8Linear: every bias-free nn.Linear but a kv source
-    compressor's projections, whose weights it reads in float32 directly."""
+    compressor's projections, whose weights it reads in float32 directly, and every GroupedLinear."""
     out = []
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and module.bias is None:
+        if isinstance(module, GroupedLinear) or (type(module) is nn.Linear and module.bias is None):
             if not isinstance(model.get_submodule(name.rpartition(".")[0]), SharedCompressor):
                 out.append((name, module))
     return out
 
 
-def stored_fp8_linear(reader: WeightReader, stored: str, module: nn.Linear, shard: Shard | None) -> bool:
+def stored_fp8_linear(reader: WeightReader, stored: str, module: nn.Linear | GroupedLinear, shard: Shard | None) -> bool:
     """Whether the checkpoint stores this linear's weight as block-scaled FP8 that the shard (if any)
     cuts at whole blocks."""
     full = [module.out_features, module.in_features]

@@ -17,8 +17,8 @@ Released formats (`released`, models/released_format.py): each tensor is quantiz
 an expert or a linear at a time, so peak memory stays near the final size (a full model drawn in bf16
 first would not fit where its released form does). Held as the loader holds a released checkpoint with
 `model.quantization: checkpoint`: routed experts MXFP4, FP8 linears as Fp8Linear where the rank's shard
-cuts whole scale blocks; the other weights the release stores FP8 (o_a_proj, shards that cut a block)
-hold their FP8-rounded values in the serving dtype, as the loader dequantizes them.
+cuts whole scale blocks (the grouped o_a_proj too); the other weights the release stores FP8 (shards
+that cut a block) hold their FP8-rounded values in the serving dtype, as the loader dequantizes them.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def build_random_model(
 def quantize_as_released(model: DeepseekV4 | DeepseekV41) -> None:
     """Puts a model's weights in the release's formats, in place on their device: routed experts MXFP4
     (kept packed); the attention projections and the shared expert FP8 with 128 x 128 block scales
-    (Fp8Linear; the release also stores o_a_proj so, which serving dequantizes); what
+    (Fp8Linear; the grouped o_a_proj too, as the release stores it); what
     `model.quantization: checkpoint` serves from a real checkpoint. One expert at a time, so the
     temporaries stay small next to a 55 GB bf16 slice. (draw_weights' `released` draws a model so
     from the start, without the bf16 copy.)"""

@@ -96,14 +96,14 @@ def loaded(target, draft_dir, keep_quantized=False):
 
 # -- held as stored ------------------------------------------------------------------------------------
 FP8_LINEARS = ("mtp.0.main_proj", "mtp.1.block.self_attn.q_a_proj", "mtp.1.block.self_attn.q_b_proj",
-               "mtp.2.block.self_attn.kv_proj", "mtp.0.block.self_attn.o_b_proj",
+               "mtp.2.block.self_attn.kv_proj", "mtp.0.block.self_attn.o_a_proj", "mtp.0.block.self_attn.o_b_proj",
                "mtp.2.block.mlp.shared_experts.down_proj")
 
 
 @pytest.mark.parametrize("block", [32, 128])
 def test_a_released_format_draft_is_held_as_stored(dirs, tmp_path, block):
     """keep_quantized: the linears stored FP8 are Fp8Linear holding the stored e4m3 values and float32
-    scales, the routed experts the stored MXFP4 codes and exponents; o_a_proj (grouped) and the heads
+    scales (o_a_proj, grouped, too), the routed experts the stored MXFP4 codes and exponents; the heads
     dense, as the target holds them. The same tensors in the release's spelling (`.scale` companions,
     per-expert matrices) are held alike. Without it every tensor is dequantized to the model's dtype."""
     target, drafts = dirs
@@ -119,7 +119,7 @@ def test_a_released_format_draft_is_held_as_stored(dirs, tmp_path, block):
     assert "gate_up_proj" not in dict(experts.named_parameters())
     assert torch.equal(experts.gate_up_proj_codes, stored["mtp.1.block.mlp.experts.gate_up_proj"])
     assert torch.equal(experts.down_proj_scales, stored["mtp.1.block.mlp.experts.down_proj_scale"])
-    assert kept.mtp[0].block.self_attn.o_a_proj.weight.dtype == torch.float32
+    assert kept.mtp[0].block.self_attn.o_a_proj.groups > 1
     assert type(kept.mtp[2].markov_head.head) is torch.nn.Linear
     assert type(kept.mtp[2].confidence_head.proj) is torch.nn.Linear
     released = tmp_path / "released"

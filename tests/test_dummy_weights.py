@@ -120,7 +120,8 @@ def test_the_released_format_holds_mxfp4_experts_and_fp8_linears_of_the_same_dra
     for linear in (layer.self_attn.q_a_proj, layer.self_attn.kv_proj, layer.mlp.shared_experts.down_proj):
         assert isinstance(linear, Fp8Linear) and linear.weight.dtype == torch.float8_e4m3fn
     assert isinstance(model.model.layers[1].engram.wkv, Fp8Linear)  # V4.1 stores Engram's wkv FP8 too
-    assert layer.self_attn.o_a_proj.weight.dtype == torch.float32  # stored FP8, held dequantized (as the loader)
+    o_a = layer.self_attn.o_a_proj  # grouped, stored FP8 and held so (as the loader holds it)
+    assert isinstance(o_a, Fp8Linear) and o_a.groups == model.config.o_groups and o_a.weight.dtype == torch.float8_e4m3fn
     experts = layer.mlp.experts
     assert experts.gate_up_proj_codes.dtype == torch.uint8 and "gate_up_proj" not in experts._parameters
     name = "model.layers.1.mlp.experts.gate_up_proj"

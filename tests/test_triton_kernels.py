@@ -557,6 +557,33 @@ def check_fp8_linear_pair(rows: int, n1: int, n2: int, k: int, dtype: torch.dtyp
         fp8_linear_pair_triton(x, odd, second, block)
 
 
+def check_fp8_grouped_linear(rows: int, groups: int, n_group: int, k: int, dtype: torch.dtype, seed: int,
+                             device: str = DEVICE, block: int = 128) -> None:
+    """A block-diagonal FP8 projection (o_a_proj) by the split-K kernel: within its tolerance of the
+    reference (W dequantized, each group's product); K not a multiple of the block; groups whose N is
+    off the column tile are refused."""
+    from kernels.fp8_linear import decode_config, fp8_grouped_linear_reference, fp8_grouped_linear_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    weight, scale = random_fp8_weight(groups * n_group, k, block, generator, device)
+    x = torch.randn(rows, groups * k, generator=generator, device=device).to(dtype)
+    got = fp8_grouped_linear_triton(x, weight, scale, groups, block)
+    want = fp8_grouped_linear_reference(x, weight, scale, groups, block)
+    assert got.dtype == dtype and got.shape == want.shape == (rows, groups * n_group)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * k**0.5)
+    ungrouped = fp8_grouped_linear_reference(x[:, :k], weight, scale, 1, block)  # every row on group 0's x
+    assert not torch.allclose(got.float(), ungrouped.float(), rtol=tolerance, atol=tolerance * k**0.5)
+    odd = random_fp8_weight(groups * (decode_config(block, rows).block_n + 16), k, block, generator, device)
+    with pytest.raises(ValueError, match="column tile"):
+        fp8_grouped_linear_triton(x, *odd, groups, block)
+
+
+def test_fp8_grouped_linear_equals_the_reference():
+    check_fp8_grouped_linear(rows=3, groups=4, n_group=128, k=200, dtype=torch.float32, seed=0)
+    check_fp8_grouped_linear(rows=2, groups=2, n_group=64, k=96, dtype=torch.float32, seed=1, block=32)
+
+
 def test_fp8_linear_pair_equals_two_references():
     check_fp8_linear_pair(rows=3, n1=128, n2=70, k=300, dtype=torch.float32, seed=0)
     check_fp8_linear_pair(rows=1, n1=64, n2=32, k=96, dtype=torch.float32, seed=1, block=32)
