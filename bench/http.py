@@ -3,11 +3,14 @@ against a server this command starts (`python -m server ARGS`) or one already ru
 
     python -m bench.http [--server-args "--config configs/h200x1.yaml"] [--url http://HOST:PORT/v1]
                          [--concurrency 1 8 32] [--prompt-len 16 8192] [--max-tokens 64] [--model NAME]
-                         [--vocab 256] [--api completions|chat] [--scripted-step-ms MS] [--server-pid PID]
+                         [--vocab 256] [--api completions|chat] [--temperature 0] [--top-p 1]
+                         [--scripted-step-ms MS] [--server-pid PID]
                          [--arrivals N --arrival-prompt-len 2048 --arrival-interval-ms 200 --pure-s 1]
 
 For each (prompt length, concurrency) it sends that many requests at once. Each request is a prompt of
-random token ids from [10, --vocab), greedy, `ignore_eos`, `max_tokens`. One JSON line per pair:
+random token ids from [10, --vocab), greedy (or drawn at --temperature / --top-p: a chat client's
+default sampling costs the engine more kernels a step than greedy's one), `ignore_eos`, `max_tokens`.
+One JSON line per pair:
 - `tokens_per_s`: generated tokens of all requests over the time from the first request sent to the
   last token received;
 - `decode_tokens_per_s`: tokens after each request's first, over the span from the last first token
@@ -77,21 +80,33 @@ async def read_timed_stream(
     return timing
 
 
-async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> Timing:
+@dataclass(frozen=True)
+class Sampling:
+    """What every request of a run asks for (the defaults: greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int,
+                      sampling: Sampling = Sampling()) -> Timing:
     timing = Timing(sent=time.perf_counter())
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
     return await read_timed_stream(stream, timing, lambda choice: choice.text is not None)
 
 
-async def one_chat(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> Timing:
+async def one_chat(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int,
+                   sampling: Sampling = Sampling()) -> Timing:
     """A chat turn whose message is the prompt ids written out (the chat template tokenizes it)."""
     timing = Timing(sent=time.perf_counter())
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": " ".join(map(str, prompt))}], max_tokens=max_tokens,
-        temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        temperature=sampling.temperature, top_p=sampling.top_p, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     return await read_timed_stream(stream, timing, lambda choice: choice.delta is not None)
 
@@ -106,13 +121,14 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 
 async def measure(client: AsyncOpenAI, model: str, concurrency: int, prompt_len: int, max_tokens: int,
-                  vocab: int, seed: int, api: str = "completions", server_pid: int | None = None) -> dict:
+                  vocab: int, seed: int, api: str = "completions", server_pid: int | None = None,
+                  sampling: Sampling = Sampling()) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
     request = one_chat if api == "chat" else one_request
     cpu_before = cpu_seconds(server_pid)
     began = time.perf_counter()
-    timings = await asyncio.gather(*(request(client, model, p, max_tokens) for p in prompts))
+    timings = await asyncio.gather(*(request(client, model, p, max_tokens, sampling) for p in prompts))
     cpu_after = cpu_seconds(server_pid)
     first = [t.arrivals[0] for t in timings if t.arrivals]
     last = max(t.arrivals[-1] for t in timings if t.arrivals)
@@ -122,7 +138,8 @@ async def measure(client: AsyncOpenAI, model: str, concurrency: int, prompt_len:
     ttft = [1000 * (t.arrivals[0] - t.sent) for t in timings if t.arrivals]
     frontend_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     return {
-        "bench": "http.decode", "api": api, "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens,
+        "bench": "http.decode", "api": api, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens,
         "generated": generated, "tokens_per_s": generated / (last - began),
         "decode_tokens_per_s": (generated - len(first)) / decode_span if decode_span > 0 else None,
         "ttft_ms_p50": statistics.median(ttft), "ttft_ms_max": max(ttft),
@@ -242,7 +259,7 @@ async def run_all(args: argparse.Namespace, url: str, server_pid: int | None) ->
     for prompt_len in args.prompt_len:
         for concurrency in args.concurrency:
             row = await measure(client, model, concurrency, prompt_len, args.max_tokens, vocab, seed=concurrency,
-                                api=args.api, server_pid=server_pid)
+                                api=args.api, server_pid=server_pid, sampling=Sampling(args.temperature, args.top_p))
             print(json.dumps({**row, "model": model, "url": url}), flush=True)
 
 
@@ -257,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="served model name (default: the first /v1/models lists)")
     parser.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn from [10, vocab)")
     parser.add_argument("--api", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     parser.add_argument("--scripted-step-ms", type=float,
                         help="serve the front end over a scripted engine stepping every MS ms (bench/scripted_engine.py)")
     parser.add_argument("--server-pid", type=int, help="with --url: the server's pid, for its CPU time per token")

@@ -36,3 +36,13 @@ def test_http_bench_arrivals_mode_compares_gaps_before_and_during_arrivals(check
     assert 0 < row["itl_ms_mean_pure"] < float("inf") and 0 < row["itl_ms_mean_arrivals"] < float("inf")
     assert row["mean_over_pure_mean"] == row["itl_ms_mean_arrivals"] / row["itl_ms_mean_pure"]
     assert row["arrival_ttft_ms_p50"] > 0
+
+
+def test_http_bench_samples_as_asked(checkpoints, capsys):
+    """--temperature / --top-p reach every request (a chat client's default sampling, not greedy): the
+    row names them and the streams still give every token asked for."""
+    bench_http(["--server-args", f"--model {checkpoints['v41']} --log-level warning", "--port", str(free_port()),
+                "--concurrency", "2", "--prompt-len", "8", "--max-tokens", "6", "--vocab", "500", "--api", "chat",
+                "--temperature", "1.0", "--top-p", "0.9"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["api"], r["temperature"], r["top_p"], r["generated"]) for r in rows] == [("chat", 1.0, 0.9, 12)]
