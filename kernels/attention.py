@@ -182,6 +182,62 @@ def decode_attention_in_place_triton(q: torch.Tensor, source: DecodeKeys, sinks:
     return _merge(q, part_max, part_sum, part_acc, sinks)
 
 
+@dataclass(frozen=True)
+class ChunkKeys:
+    """Where a prefill chunk's queries (one sequence; query i at positions[i]) find their keys, read in
+    place. The window: `keys` [L, D], row r holding position `first` + r (the ring's past rows, then the
+    chunk's own), query i seeing the last `span` positions up to its own. The entries (optional):
+    `entries` [pages, per_page, D] in the keys' dtype through the sequence's block table `pages` [P];
+    with `ids` [n, k] (picked, -1: none) query i's are ids[i], else entries 0 .. entry_keys - 1; an
+    entry e is a key when e < (p + 1) // rate (rate 0: no limit by position)."""
+
+    keys: torch.Tensor
+    first: int
+    positions: torch.Tensor
+    span: int
+    entries: torch.Tensor | None = None
+    pages: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    entry_keys: int = 0
+    rate: int = 0
+
+
+def chunk_attention_applies(q: torch.Tensor, entries: object = None) -> bool:
+    """Whether `chunk_attention_in_place` runs this chunk: CUDA, q in half precision (float32 would run
+    tl.dot in TF32) with a power-of-two head size, entries (if any) a plain store of q's dtype."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    head_dim = q.shape[-1]
+    plain = entries is None or (isinstance(entries, torch.Tensor) and entries.dtype == q.dtype)
+    return triton is not None and q.is_cuda and half and not head_dim & (head_dim - 1) and head_dim >= 16 and plain
+
+
+def chunk_attention_in_place(q: torch.Tensor, source: ChunkKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk's attention (q [n, heads, D] -> [n, heads, D] in q's dtype) as the decode kernel
+    does it, one program per (query, 16 heads) walking that query's window rows and entries once,
+    with the sinks folded in at the end: no [heads, n, keys] scores (the torch path scores every query
+    against every window key of the chunk, 16x the visible ones at a 2,048-token chunk) and no
+    gathered copy of the picked entries ([n, k, D] a layer)."""
+    n, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if not n:
+        return out
+    keys = source.keys.contiguous()
+    has_entries = source.entries is not None and source.entry_keys > 0
+    entries = source.entries if has_entries else keys
+    if has_entries and (not entries.is_contiguous() or entries.dtype != keys.dtype):
+        raise ValueError("the paged entries must be contiguous, of the window keys' dtype")
+    pages = source.pages.contiguous() if has_entries else source.positions
+    ids = source.ids.contiguous() if source.ids is not None else source.positions
+    _chunk_attention_kernel[(n, triton.cdiv(heads, BLOCK_HEADS))](
+        q.contiguous(), keys, source.first, keys.shape[0], source.positions.contiguous(), source.span, entries, pages,
+        ids, ids.stride(0) if source.ids is not None else 0, source.entry_keys, entries.shape[1] if has_entries else 1,
+        source.rate, sinks.float().contiguous(), out, scale, heads,
+        HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=BLOCK_HEADS, BLOCK_K=BLOCK_KEYS,
+        WINDOW_TILES=triton.cdiv(source.span, BLOCK_KEYS), num_warps=IN_PLACE_WARPS,
+    )
+    return out
+
+
 def _merge(q: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor, part_acc: torch.Tensor,
            sinks: torch.Tensor) -> torch.Tensor:
     batch, heads, splits, head_dim = part_acc.shape
@@ -312,3 +368,46 @@ if triton is not None:
         acc = tl.load(acc_ptr + (base + split)[:, None] * D + dim[None, :], mask=in_splits[:, None], other=0.0)
         out = tl.sum(acc * weight[:, None], axis=0) / total
         tl.store(out_ptr + (sequence * heads + head) * D + dim, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["first", "n_keys", "span", "ids_stride", "entry_keys", "rate"])
+    def _chunk_attention_kernel(
+        q_ptr, keys_ptr, first, n_keys, positions_ptr, span, entries_ptr, pages_ptr, ids_ptr, ids_stride, entry_keys,
+        per_page, rate, sinks_ptr, out_ptr, scale, heads,
+        HAS_ENTRIES: tl.constexpr, HAS_IDS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_K: tl.constexpr, WINDOW_TILES: tl.constexpr,
+    ):
+        """Program (query, block of heads): the window's `span` positions up to the query's (rows of the
+        linear key buffer), then its entries tile by tile, one online softmax; the sink joins at the end."""
+        scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+        query, head, _, in_heads, dim, q = _program_queries(q_ptr, heads, D, BLOCK_H)
+        position = tl.load(positions_ptr + query).to(tl.int64)
+        running_max, running_sum, acc = _empty_split(BLOCK_H, D)
+        for tile in tl.static_range(WINDOW_TILES):
+            offset = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            held = position - (span - 1) + offset  # the position this key holds
+            row = held - first
+            usable = (offset < span) & (held >= 0) & (row >= 0) & (row < n_keys)
+            block = tl.load(keys_ptr + row[:, None] * D + dim[None, :], mask=usable[:, None], other=0.0)
+            running_max, running_sum, acc = _online_softmax_step(q, block, usable, scale, running_max, running_sum, acc)
+        if HAS_ENTRIES:
+            limit = tl.where(rate > 0, (position + 1) // tl.maximum(rate, 1), position + (1 << 40))
+            for start in range(0, entry_keys, BLOCK_K):
+                j = start + tl.arange(0, BLOCK_K)
+                in_entries = j < entry_keys
+                if HAS_IDS:
+                    entry = tl.load(ids_ptr + query * ids_stride + j, mask=in_entries, other=-1).to(tl.int64)
+                else:
+                    entry = j.to(tl.int64)
+                usable = in_entries & (entry >= 0) & (entry < limit)
+                page = tl.load(pages_ptr + entry // per_page, mask=usable, other=0).to(tl.int64)
+                rows = entries_ptr + (page * per_page + entry % per_page) * D
+                block = tl.load(rows[:, None] + dim[None, :], mask=usable[:, None], other=0.0)
+                running_max, running_sum, acc = _online_softmax_step(q, block, usable, scale, running_max, running_sum,
+                                                                     acc)
+        sink = tl.load(sinks_ptr + head, mask=in_heads, other=0.0)
+        top = tl.maximum(running_max, sink)  # finite: the sink is
+        weight = tl.exp(running_max - top)
+        total = running_sum * weight + tl.exp(sink - top)
+        out = acc * (weight / total)[:, None]
+        tl.store(out_ptr + (query * heads + head)[:, None] * D + dim[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=in_heads[:, None])

@@ -9,11 +9,20 @@ are rotated back by the query position. Sliding layers use the `main` rope; comp
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import DecodeKeys, decode_attention, decode_attention_in_place
+from kernels.attention import (
+    ChunkKeys,
+    DecodeKeys,
+    chunk_attention_applies,
+    chunk_attention_in_place,
+    decode_attention,
+    decode_attention_in_place,
+)
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
@@ -136,6 +145,11 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
+        scale = self.head_dim**-0.5
+        entries = cache.compressor.entries if self.compressor is not None else None
+        if chunk_attention_applies(q, entries) and not batch_invariant_active():
+            return chunk_attention_in_place(q, self._chunk_keys(chunk, x, q_residual, kv, cache, cos, sin), self.sinks,
+                                            scale)
         keys, bias = window_keys(chunk, kv, cache.window, self.window)
         picked = None
         if self.kind == CSA:
@@ -144,10 +158,29 @@ class Attention(nn.Module):
             entries, visible = self._all_entries(chunk, cache)
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
-        scale = self.head_dim**-0.5
         if batch_invariant_active():
             return attend_per_query(q, keys, bias, picked, self.sinks, scale)
         return attend_keys_and_picked(q, keys, bias, picked, self.sinks, scale)
+
+    def _chunk_keys(
+        self, chunk: SequenceChunk, x: torch.Tensor, q_residual: torch.Tensor, kv: torch.Tensor, cache: LayerCache,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> ChunkKeys:
+        """The chunk's keys for the in-place kernel: the window's rows, then CSA's picked ids or HCA's
+        every entry (limited by position), read through the block table where they lie."""
+        keys, first = window_rows(chunk, kv, cache.window, self.window)
+        positions = torch.arange(chunk.position, chunk.end_position, device=kv.device)
+        source = ChunkKeys(keys, first, positions, self.window)
+        if self.kind == CSA:
+            ids = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
+            if ids is not None:
+                source = replace(source, entries=cache.compressor.entries, pages=chunk.pages, ids=ids,
+                                 entry_keys=ids.shape[1])
+        elif self.kind == HCA:
+            rate = self.compressor.rate
+            source = replace(source, entries=cache.compressor.entries, pages=chunk.pages,
+                             entry_keys=chunk.end_position // rate, rate=rate)
+        return source
 
     def _picked_entries(
         self, chunk: SequenceChunk, x: torch.Tensor, q_residual: torch.Tensor, cache: LayerCache,
@@ -211,20 +244,29 @@ def attend_per_query(
 
 def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of positions [p0 - span + 1, p1) and the additive mask keeping (t - span, t] per query
-    (`span`: the sliding window); then stores the chunk's last ring-rows entries in the slot's ring
-    (row = position % rows; rows >= span, more with draft tokens: ModelCache.allocate)."""
-    p0, p1, w, rows = chunk.position, chunk.end_position, span, ring.shape[1]
+    """`window_rows`' keys and the additive mask keeping (t - span, t] per query (`span`: the sliding
+    window)."""
+    keys, first = window_rows(chunk, kv, ring, span)
     device = kv.device
-    past = torch.arange(max(0, p0 - w + 1), p0, device=device)
-    keys = torch.cat([ring[chunk.slot, past % rows], kv])
-    key_positions = torch.cat([past, torch.arange(p0, p1, device=device)])
-    query_positions = torch.arange(p0, p1, device=device)[:, None]
-    allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - w)
+    key_positions = torch.arange(first, chunk.end_position, device=device)
+    query_positions = torch.arange(chunk.position, chunk.end_position, device=device)[:, None]
+    allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - span)
     bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=device).masked_fill(~allowed, float("-inf"))
+    return keys, bias
+
+
+def window_rows(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span: int) -> tuple[torch.Tensor, int]:
+    """Keys of positions [p0 - span + 1, p1) (the ring's past rows, then the chunk's own) and the first
+    of those positions; then stores the chunk's last ring-rows entries in the slot's ring (row = position
+    % rows; rows >= span, more with draft tokens: ModelCache.allocate)."""
+    p0, p1, rows = chunk.position, chunk.end_position, ring.shape[1]
+    device = kv.device
+    first = max(0, p0 - span + 1)
+    past = torch.arange(first, p0, device=device)
+    keys = torch.cat([ring[chunk.slot, past % rows], kv])
     stored = torch.arange(max(p0, p1 - rows), p1, device=device)
     ring[chunk.slot, stored % rows] = kv[stored - p0]
-    return keys, bias
+    return keys, first
 
 
 def window_append(batch: DecodeBatch, kv: torch.Tensor, ring: torch.Tensor) -> None:

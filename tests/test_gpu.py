@@ -386,6 +386,13 @@ def test_decode_attention_in_place_compiled_equals_the_gathered_kernel():
     check_decode_attention_in_place(batch=5, heads=4, window=40, dim=32, dtype=torch.bfloat16, seed=6, device="cuda")
 
 
+def test_chunk_attention_kernel_compiled_equals_the_models_prefill_path():
+    from tests.test_triton_kernels import check_chunk_attention
+
+    check_chunk_attention(n=70, heads=64, span=128, dim=512, dtype=torch.bfloat16, seed=7, device="cuda")  # V4-Flash
+    check_chunk_attention(n=9, heads=4, span=40, dim=32, dtype=torch.bfloat16, seed=8, device="cuda")
+
+
 def test_rope_kernel_compiled_equals_the_reference():
     from tests.test_triton_kernels import check_rope
 

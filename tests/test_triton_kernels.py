@@ -240,6 +240,58 @@ def test_decode_attention_in_place_equals_the_gathered_kernel():
     check_decode_attention_in_place(batch=3, heads=4, window=64, dim=16, dtype=torch.float32, seed=1)
 
 
+def check_chunk_attention(n: int, heads: int, span: int, dim: int, dtype: torch.dtype, seed: int,
+                          device: str = DEVICE) -> None:
+    """The prefill chunk kernel against the model's torch path (models.attention.attend_keys_and_picked,
+    run in float32) on the same keys: the window alone (a chunk at the sequence's start, the window not
+    yet full, and one past it), HCA's every entry limited by position, CSA's picked ids with -1s."""
+    from kernels.attention import ChunkKeys, chunk_attention_in_place
+    from models.attention import attend_keys_and_picked
+    from models.cache import paged_gather
+
+    generator = torch.Generator(device).manual_seed(seed)
+    pages, per_page, rate, k = 30, 4, 4, 9
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    entries, sinks = rand(pages, per_page, dim), torch.randn(heads, generator=generator, device=device)
+    table = torch.randperm(pages, generator=generator, device=device)
+    scale = dim**-0.5
+    for p0 in (0, span // 2, 3 * span + 5):
+        q = rand(n, heads, dim)
+        first = max(0, p0 - span + 1)
+        keys = rand(p0 + n - first, dim)
+        positions = torch.arange(p0, p0 + n, device=device)
+        key_positions = torch.arange(first, p0 + n, device=device)
+        seen = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - span)
+        bias = torch.zeros(seen.shape, device=device).masked_fill(~seen, float("-inf"))
+        window = ChunkKeys(keys, first, positions, span)
+        n_entries = (p0 + n) // rate
+        visible = torch.arange(n_entries, device=device)[None, :] < ((positions + 1) // rate)[:, None]
+        every = paged_gather(entries, table, torch.arange(n_entries, device=device)).float()
+        hca_bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
+        ids = torch.randint(-1, max(n_entries, 1), (n, k), generator=generator, device=device)
+        picked = (paged_gather(entries, table, ids.clamp(min=0)).float(), ids >= 0)
+        cases = [
+            (window, keys.float(), bias, None),
+            (ChunkKeys(keys, first, positions, span, entries, table, None, n_entries, rate),
+             torch.cat([keys.float(), every]), hca_bias, None),
+            (ChunkKeys(keys, first, positions, span, entries, table, ids, k, 0), keys.float(), bias, picked),
+        ]
+        for source, all_keys, all_bias, chosen in cases:
+            got = chunk_attention_in_place(q, source, sinks, scale)
+            want = attend_keys_and_picked(q.float(), all_keys, all_bias, chosen, sinks, scale)
+            assert got.dtype == dtype and got.shape == q.shape
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_chunk_attention_kernel_equals_the_models_prefill_path():
+    check_chunk_attention(n=6, heads=20, span=40, dim=32, dtype=torch.float32, seed=0)  # two window tiles
+    check_chunk_attention(n=5, heads=4, span=8, dim=16, dtype=torch.float32, seed=1)
+
+
 def test_gathered_keys_reference_is_the_models_gather():
     """The reference gather equals the model's for packed stores: the ring masked by position
     (models.attention's gathered_window after the append) and the picked entries through the block
