@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
+from kernels.attention import ChunkKeys, chunk_attention_applies, chunk_attention_in_place
 from kernels.batch_invariant import batch_invariant_active
 from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, scores_per_query
 from kernels.indexer import indexer_scores
@@ -26,6 +27,7 @@ from models.attention import (
     attention_output,
     window_append,
     window_keys,
+    window_rows,
 )
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
@@ -99,9 +101,7 @@ class SharedCompressedAttention(nn.Module):
                 self.compressor.update(chunk, x[rows], cache.layers[self.layer].shared, self.rope, self.key_maker)
             if self.indexer is not None:
                 self._select(chunk, x[rows], q_residual[rows], cache, selections[index], cos[rows], sin[rows], trace)
-            keys, bias = window_keys(chunk, kv[rows], cache.layers[self.layer].window, self.window)
-            picked = self._picked_entries(chunk, cache, selections[index])
-            out[rows] = self._attend(q[rows], keys, bias, picked)
+            out[rows] = self._attend_chunk(chunk, q[rows], kv[rows], cache, selections[index])
         return attention_output(self, out, cos, sin)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: ModelCache, selection: ChunkSelection) -> torch.Tensor:
@@ -143,6 +143,25 @@ class SharedCompressedAttention(nn.Module):
             allowed = expand_blocks(selection.candidate_blocks, scores.shape[1], self.block_size)
             scores = scores.masked_fill(~allowed, float("-inf"))
         selection.topk = indexer.top(scores)
+
+    def _attend_chunk(self, chunk: SequenceChunk, q: torch.Tensor, kv: torch.Tensor, cache: ModelCache,
+                      selection: ChunkSelection) -> torch.Tensor:
+        """The chunk's window and picked entries: in place on CUDA (kernels/attention.py's
+        chunk_attention_in_place, where the kv source's entries are a plain store of q's dtype), else
+        the torch path over the gathered keys."""
+        ring = cache.layers[self.layer].window
+        picks = self.kv_source is not None and selection.topk is not None
+        entries = cache.layers[self.kv_source].shared.entries if picks else None
+        if chunk_attention_applies(q, entries) and not batch_invariant_active():
+            keys, first = window_rows(chunk, kv, ring, self.window)
+            positions = torch.arange(chunk.position, chunk.end_position, device=kv.device)
+            source = ChunkKeys(keys, first, positions, self.window)
+            if picks:
+                source = ChunkKeys(keys, first, positions, self.window, entries, chunk.pages, selection.topk,
+                                   selection.topk.shape[1])
+            return chunk_attention_in_place(q, source, self.sinks, self.head_dim**-0.5)
+        keys, bias = window_keys(chunk, kv, ring, self.window)
+        return self._attend(q, keys, bias, self._picked_entries(chunk, cache, selection))
 
     def _picked_entries(
         self, chunk: SequenceChunk, cache: ModelCache, selection: ChunkSelection
