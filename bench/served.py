@@ -166,7 +166,7 @@ def run_runner(args: argparse.Namespace) -> None:
 
     model = runner_model(args)
     most = max(args.concurrency)
-    max_len = len(args.concurrency) * (args.runner_steps + 1) + 2
+    max_len = len(args.concurrency) * (args.runner_steps + 2) + 2  # decode_steps' two untimed steps a row
     runner = ModelRunner(model, most, max_len, device=args.device, cuda_graphs=True)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     generator = torch.Generator().manual_seed(args.seed)

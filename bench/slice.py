@@ -210,7 +210,8 @@ def decode_steps(
     runner: ModelRunner, positions: list[int], concurrency: int, steps: int, budget_s: float, generator: torch.Generator,
     overlapped: bool = False,
 ) -> dict[str, Any]:
-    """One untimed step (warm-up and expert probe), then timed steps of slots 0 .. concurrency - 1 fed
+    """One untimed eager step (warm-up and expert probe) and, with graphs, one untimed replay, then timed
+    steps of slots 0 .. concurrency - 1 fed
     random tokens; `positions` (per slot) advance. Returns timings, experts touched, mean context.
     `overlapped`: each step is launched before the one before it lands (`overlapped_steps`)."""
     vocab = runner.model.config.vocab_size
@@ -226,6 +227,8 @@ def decode_steps(
     with routed_experts(runner.model) as touched:
         runner.execute(plan())
     runner.graphs = graphs
+    if graphs is not None:  # an untimed replay: a bucket's first replay can cost a hundred steps (tiny V4.1)
+        runner.execute(plan())
     first = positions[:concurrency]
     if overlapped:
         durations = overlapped_steps(runner, plan, steps, budget_s)
@@ -290,7 +293,7 @@ def roofline(runner: ModelRunner, measured: dict[str, Any], concurrency: int, co
 def cmd_decode(args: argparse.Namespace, model: torch.nn.Module, fields: dict[str, Any]) -> None:
     copy_bps, _ = ceilings(args, model, fields)
     most = max(args.concurrency)
-    max_len = max(args.context) + len(args.concurrency) * (args.steps + 3) + 1  # overlapped rows plan 3 more
+    max_len = max(args.context) + len(args.concurrency) * (args.steps + 4) + 1  # 2 untimed, overlapped rows plan 2 more
     generator = torch.Generator().manual_seed(args.seed)
     for mode in args.modes:
         runner = ModelRunner(model, most, max_len, device=args.device, deterministic=mode == "deterministic",
@@ -322,7 +325,7 @@ def cmd_profile(args: argparse.Namespace, model: torch.nn.Module, fields: dict[s
         on_gpu = args.device == "cuda"
         with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
             decode_steps(runner, positions, concurrency, args.steps, 60.0, generator)
-        steps = args.steps + 1  # decode_steps runs one untimed probe step first
+        steps = args.steps + (2 if runner.graphs is not None else 1)  # decode_steps' untimed probe (and replay) first
         kind = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
         events = [e for e in prof.key_averages() if e.device_type == kind]
         spent = {id(e): e.self_device_time_total if on_gpu else e.self_cpu_time_total for e in events}
