@@ -19,7 +19,10 @@ The phases, one after another in one process tree, so each has the GPU to itself
    server starts) builds the model the server will hold (the same directory's dummy weights, same seed
    and formats: models/dummy_weights.py; or the checkpoint) and times bench.slice's decode_steps at
    context 0 per concurrency, CUDA graphs on (the server's default); seeded random tokens feed each
-   step, as bench.slice decode does. Line `served.runner`.
+   step, as bench.slice decode does: one after another ("serial": the host reads each step's tokens
+   before planning the next) and overlapped ("overlapped": each step launched before the one before it
+   lands, as the engine's async scheduling runs them: what the server could reach). Lines
+   `served.runner`, one a mode.
 2. `python -m server` on a free port until /health answers, stopped with SIGTERM after.
 3. `python -m bench.http --url ...` against it (greedy, ignore_eos, --http-prompt-len tokens, --max-tokens
    a request, all requests at once). Line `served.http`: its row (decode_tokens_per_s, itl_ms_p50, ...).
@@ -28,7 +31,8 @@ The phases, one after another in one process tree, so each has the GPU to itself
    Line `served.llm_decode_bench`: its cell as it reports it (aggregate_tps; ITL / TTFT p50 in seconds;
    errors, capacity_limited, warmup_timed_out), with tokens_per_s (aggregate_tps, None where the cell
    says it is no steady-state figure) and itl_ms_p50.
-Then one `served` line per concurrency: the three tokens/s and the served / runner ratios. Every line
+Then one `served` line per concurrency: the figures and the served / runner ratios (against both runner
+modes). Every line
 carries commit and machine. --budget-s bounds the whole (each phase gets what is left; a phase cut off
 leaves its cells empty, the rest is still reported). --write-benchmarks puts the table in BENCHMARKS.md,
 replacing the section an earlier run of the same model, weights and device wrote.
@@ -158,7 +162,8 @@ def runner_model(args: argparse.Namespace):
 
 
 def run_runner(args: argparse.Namespace) -> None:
-    """--runner-only: one `served.runner` line per concurrency (bench.slice's decode_steps at context 0)."""
+    """--runner-only: `served.runner` lines per concurrency, serial then overlapped (bench.slice's
+    decode_steps at context 0)."""
     import torch
 
     from bench.slice import decode_steps
@@ -166,18 +171,23 @@ def run_runner(args: argparse.Namespace) -> None:
 
     model = runner_model(args)
     most = max(args.concurrency)
-    max_len = len(args.concurrency) * (args.runner_steps + 2) + 2  # decode_steps' two untimed steps a row
+    # a row: decode_steps' two untimed steps, and an overlapped row's three steps planned past its timed ones
+    max_len = len(args.concurrency) * 2 * (args.runner_steps + 5) + 2
     runner = ModelRunner(model, most, max_len, device=args.device, cuda_graphs=True)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     generator = torch.Generator().manual_seed(args.seed)
     positions = [0] * most
     for concurrency in args.concurrency:
-        measured = decode_steps(runner, positions, concurrency, args.runner_steps, args.runner_budget_s, generator)
-        print(json.dumps({"bench": "served.runner", "concurrency": concurrency, "steps": measured["steps"],
-                          "tokens_per_s": measured["tokens_per_s"], "step_ms_p50": measured["step_ms_p50"],
-                          "step_ms_p90": measured["step_ms_p90"], "machine": machine}), flush=True)
+        for mode in RUNNER_MODES:
+            measured = decode_steps(runner, positions, concurrency, args.runner_steps, args.runner_budget_s, generator,
+                                    overlapped=mode == "overlapped")
+            print(json.dumps({"bench": "served.runner", "mode": mode, "concurrency": concurrency,
+                              "steps": measured["steps"], "tokens_per_s": measured["tokens_per_s"],
+                              "step_ms_p50": measured["step_ms_p50"], "step_ms_p90": measured["step_ms_p90"],
+                              "machine": machine}), flush=True)
 
 
+RUNNER_MODES = ("serial", "overlapped")
 RUNNER_FLAGS = ("weights", "device", "dtype", "seed", "load_format", "runner_steps", "runner_budget_s")
 
 
@@ -369,20 +379,25 @@ def ratio(served: Cell | None, runner: Cell | None) -> float | None:
 
 
 def side_by_side(args: argparse.Namespace, runner: list[dict], http: list[dict], ldb: list[dict]) -> list[dict]:
-    """One `served` row per concurrency: runner, bench.http decode and llm_decode_bench tokens/s (None
-    where a phase gave none), ITL p50 in ms, and each served figure over the runner's."""
-    cells = (by_concurrency(runner, "tokens_per_s", "step_ms_p50"),
+    """One `served` row per concurrency: the runner's serial and overlapped, bench.http decode and
+    llm_decode_bench tokens/s (None where a phase gave none), ITL p50 in ms, and each served figure
+    over both runner figures."""
+    cells = (by_concurrency([r for r in runner if r.get("mode", "serial") == "serial"], "tokens_per_s", "step_ms_p50"),
+             by_concurrency([r for r in runner if r.get("mode") == "overlapped"], "tokens_per_s", "step_ms_p50"),
              by_concurrency(http, "decode_tokens_per_s", "itl_ms_p50"),
              by_concurrency(ldb, "tokens_per_s", "itl_ms_p50"))
     rows = []
     for concurrency in args.concurrency:
-        run, web, ldb_cell = (c.get(concurrency) for c in cells)
+        run, overlapped, web, ldb_cell = (c.get(concurrency) for c in cells)
         rows.append({
             "bench": "served", "concurrency": concurrency, "context": 0, "max_tokens": args.max_tokens,
             "runner_tokens_per_s": run and run.tokens_per_s, "runner_step_ms_p50": run and run.itl_ms_p50,
+            "overlapped_tokens_per_s": overlapped and overlapped.tokens_per_s,
+            "overlapped_step_ms_p50": overlapped and overlapped.itl_ms_p50,
             "http_tokens_per_s": web and web.tokens_per_s, "http_itl_ms_p50": web and web.itl_ms_p50,
             "ldb_tokens_per_s": ldb_cell and ldb_cell.tokens_per_s, "ldb_itl_ms_p50": ldb_cell and ldb_cell.itl_ms_p50,
             "http_to_runner": ratio(web, run), "ldb_to_runner": ratio(ldb_cell, run),
+            "http_to_overlapped": ratio(web, overlapped), "ldb_to_overlapped": ratio(ldb_cell, overlapped),
         })
     return rows
 
@@ -401,6 +416,11 @@ def percent(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.0f}%"
 
 
+def both(serial: float | None, overlapped: float | None) -> str:
+    """A served figure's ratios to the serial and the overlapped runner: "95% / 80%"."""
+    return percent(serial) if overlapped is None else f"{percent(serial)} / {percent(overlapped)}"
+
+
 def section_key(info: RunInfo) -> str:
     return "".join(c if c.isalnum() else "-" for c in info.label.lower()).strip("-")
 
@@ -417,20 +437,24 @@ def section(args: argparse.Namespace, info: RunInfo, rows: list[dict]) -> str:
         f"{info.machine}, commit `{info.commit or '?'}`, {date.today().isoformat()}: `{info.command}`",
         "",
         f"Context 0, {args.max_tokens} output tokens a request. Runner: bench.slice's decode steps on the same dims "
-        "and weights (CUDA graphs, random tokens fed), step p50 ms in brackets. `bench.http`: decode tokens/s "
+        "and weights (CUDA graphs, random tokens fed), step p50 ms in brackets: serial (each step's tokens read "
+        "before the next is planned) and overlapped (each launched before the one before it lands, as the engine "
+        "runs them). `bench.http`: decode tokens/s "
         f"(tokens after each first, all {args.http_prompt_len}-token greedy requests sent at once), ITL p50 ms. "
         f"{ldb}: sustained decode over {args.ldb_duration_s:g} s a cell (chat requests, ignore_eos), ITL p50 ms. "
-        "Ratios: served over runner, this run.",
+        "Ratios: served over runner (serial / overlapped), this run.",
         "",
-        "| concurrency | runner tok/s | `bench.http` decode tok/s | llm_decode_bench tok/s | http / runner "
-        "| llm_decode_bench / runner |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| concurrency | runner tok/s | runner overlapped tok/s | `bench.http` decode tok/s | llm_decode_bench tok/s "
+        "| http / runner | llm_decode_bench / runner |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {with_itl(r['runner_tokens_per_s'], r['runner_step_ms_p50'])} "
+                     f"| {with_itl(r.get('overlapped_tokens_per_s'), r.get('overlapped_step_ms_p50'))} "
                      f"| {with_itl(r['http_tokens_per_s'], r['http_itl_ms_p50'])} "
                      f"| {with_itl(r['ldb_tokens_per_s'], r['ldb_itl_ms_p50'])} "
-                     f"| {percent(r['http_to_runner'])} | {percent(r['ldb_to_runner'])} |")
+                     f"| {both(r['http_to_runner'], r.get('http_to_overlapped'))} "
+                     f"| {both(r['ldb_to_runner'], r.get('ldb_to_overlapped'))} |")
     lines.append(f"<!-- /bench.served: {key} -->")
     return "\n".join(lines) + "\n"
 

@@ -72,8 +72,10 @@ def test_rows_side_by_side(run):
     rows, _ = run
     for row in [r for group in rows.values() for r in group]:
         assert row["commit"] == "abc1234" and row["machine"]
-    (runner,) = rows["served.runner"]
-    assert runner["concurrency"] == 2 and runner["steps"] == 3 and runner["tokens_per_s"] > 0
+    runner, overlapped = rows["served.runner"]
+    assert (runner["mode"], overlapped["mode"]) == ("serial", "overlapped")
+    for timed in (runner, overlapped):
+        assert timed["concurrency"] == 2 and timed["steps"] == 3 and timed["tokens_per_s"] > 0
     (http,) = rows["served.http"]
     assert http["concurrency"] == 2 and http["generated"] == 2 * 6 and http["decode_tokens_per_s"] > 0
     (row,) = rows["served"]
@@ -81,6 +83,8 @@ def test_rows_side_by_side(run):
     assert row["runner_tokens_per_s"] == runner["tokens_per_s"] and row["runner_step_ms_p50"] > 0
     assert row["http_tokens_per_s"] == http["decode_tokens_per_s"] and row["http_itl_ms_p50"] > 0
     assert row["http_to_runner"] == pytest.approx(row["http_tokens_per_s"] / row["runner_tokens_per_s"])
+    assert row["overlapped_tokens_per_s"] == overlapped["tokens_per_s"] and row["overlapped_step_ms_p50"] > 0
+    assert row["http_to_overlapped"] == pytest.approx(row["http_tokens_per_s"] / row["overlapped_tokens_per_s"])
     assert 0.01 < row["http_to_runner"] < 100  # the same model on the same CPU: within two orders
 
 
@@ -93,7 +97,7 @@ def test_benchmarks_section(run):
     body = text.split(key, 1)[1]
     assert "commit `abc1234`" in body and "python -m bench.served --model" in body
     table = [line for line in body.splitlines() if line.startswith("| 2 |")]
-    assert len(table) == 1 and table[0].count("|") == 7
+    assert len(table) == 1 and table[0].count("|") == 8
     runner = rows["served"][0]["runner_tokens_per_s"]
     assert served.figure(runner) in table[0]
 
@@ -107,11 +111,12 @@ def test_section_is_replaced_not_repeated(tmp_path):
            "http_itl_ms_p50": 2.6, "ldb_tokens_per_s": None, "ldb_itl_ms_p50": None, "http_to_runner": 0.95,
            "ldb_to_runner": None}
     served.write_section(path, served.section(args, info, [row]))
-    served.write_section(path, served.section(args, info, [{**row, "runner_tokens_per_s": 1234.5}]))
+    overlapped = {"overlapped_tokens_per_s": 500.0, "overlapped_step_ms_p50": 2.0, "http_to_overlapped": 0.76}
+    served.write_section(path, served.section(args, info, [{**row, "runner_tokens_per_s": 1234.5, **overlapped}]))
     text = path.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     assert text.count("## Served decode beside the runner") == 1
-    assert "| 1 | 1,234 (2.50) | 380.0 (2.60) | — | 95% | — |" in text
+    assert "| 1 | 1,234 (2.50) | 500.0 (2.00) | 380.0 (2.60) | — | 95% / 76% | — |" in text
 
 
 def test_slice_directory(tmp_path):
@@ -143,10 +148,10 @@ def ldb_cells_match_the_rows(cells: list[dict], row: dict, table_line: str) -> N
     assert row["ldb_tokens_per_s"] == cell["tokens_per_s"] and row["ldb_itl_ms_p50"] == cell["itl_ms_p50"]
     if cell["tokens_per_s"] is None:
         assert row["ldb_to_runner"] is None
-        assert table_line.split("|")[4].strip() == "—"
+        assert table_line.split("|")[5].strip() == "—"
     else:
         assert row["ldb_to_runner"] == pytest.approx(cell["tokens_per_s"] / row["runner_tokens_per_s"])
-        assert table_line.split("|")[4].strip().startswith(served.figure(cell["tokens_per_s"]))
+        assert table_line.split("|")[5].strip().startswith(served.figure(cell["tokens_per_s"]))
 
 
 def table_line(path: Path, concurrency: int, label: str = "tiny, float32 weights, cpu") -> str:
@@ -179,7 +184,7 @@ def test_llm_decode_bench_absent_leaves_the_column_empty(tmp_path):
     (row,) = served.side_by_side(args, runner, [], [])
     assert row["runner_tokens_per_s"] == 40.0 and row["ldb_tokens_per_s"] is None and row["ldb_to_runner"] is None
     info = served.RunInfo("c1", "CPU", "tiny, float32 weights, cpu", "python -m bench.served")
-    assert "| 1 | 40.0 (25.00) | — | — | — | — |" in served.section(args, info, [row])
+    assert "| 1 | 40.0 (25.00) | — | — | — | — | — |" in served.section(args, info, [row])
 
 
 STAND_IN = """
