@@ -109,12 +109,18 @@ def gathered_keys_reference(source: DecodeKeys) -> tuple[torch.Tensor, torch.Ten
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)
 
 
+def kernels_attend(q: torch.Tensor) -> bool:
+    """Whether the Triton attention kernels take these queries: CUDA, half precision (float32 would run
+    tl.dot in TF32), a power-of-two head size of at least 16."""
+    head_dim = q.shape[-1]
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return triton is not None and q.is_cuda and half and not head_dim & (head_dim - 1) and head_dim >= 16
+
+
 def decode_attention_in_place(q: torch.Tensor, source: DecodeKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """`decode_attention` over the keys `source` describes: the Triton kernel reads them where they
     are; elsewhere (CPU, float32) they are gathered for the reference."""
-    head_dim = q.shape[-1]
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    if triton is None or not q.is_cuda or not half or head_dim & (head_dim - 1) or head_dim < 16:
+    if not kernels_attend(q):
         return decode_attention_reference(q, *gathered_keys_reference(source), sinks, scale)
     return decode_attention_in_place_triton(q, source, sinks, scale)
 
@@ -122,9 +128,7 @@ def decode_attention_in_place(q: torch.Tensor, source: DecodeKeys, sinks: torch.
 def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    head_dim = q.shape[-1]
-    half = q.dtype in (torch.bfloat16, torch.float16)  # float32 would run tl.dot in TF32
-    if triton is None or not q.is_cuda or not half or head_dim & (head_dim - 1) or head_dim < 16:
+    if not kernels_attend(q):
         return decode_attention_reference(q, keys, valid, sinks, scale)
     return decode_attention_triton(q, keys, valid, sinks, scale)
 
@@ -203,12 +207,10 @@ class ChunkKeys:
 
 
 def chunk_attention_applies(q: torch.Tensor, entries: object = None) -> bool:
-    """Whether `chunk_attention_in_place` runs this chunk: CUDA, q in half precision (float32 would run
-    tl.dot in TF32) with a power-of-two head size, entries (if any) a plain store of q's dtype."""
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    head_dim = q.shape[-1]
+    """Whether `chunk_attention_in_place` runs this chunk: `kernels_attend(q)`, and the entries (if any)
+    a plain store of q's dtype."""
     plain = entries is None or (isinstance(entries, torch.Tensor) and entries.dtype == q.dtype)
-    return triton is not None and q.is_cuda and half and not head_dim & (head_dim - 1) and head_dim >= 16 and plain
+    return kernels_attend(q) and plain
 
 
 def chunk_attention_in_place(q: torch.Tensor, source: ChunkKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:

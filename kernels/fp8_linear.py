@@ -115,8 +115,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         return fp8_grouped_linear_reference(x, weight, scale, groups, block)
     if rows <= TRITON_MAX_ROWS.get(block, 16) and (n // groups) % decode_config(block, rows).block_n == 0:
         return fp8_grouped_linear_triton(x, weight, scale, groups, block)
-    dense = dequantize_fp8_blocks_triton(weight, scale, block, x.dtype)
-    return _grouped_product(x, dense, groups)
+    return grouped_product(x, dequantize_fp8_blocks_triton(weight, scale, block, x.dtype), groups)
 
 
 def fp8_grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
@@ -130,11 +129,12 @@ def fp8_grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
 def fp8_grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
                                  block: int = FP8_BLOCK) -> torch.Tensor:
     """W dequantized (each value x its block's scale, rounded to x's dtype), then each group's product."""
-    return _grouped_product(x, dequantize_fp8_blocks(weight, scale, block).to(x.dtype), groups)
+    return grouped_product(x, dequantize_fp8_blocks(weight, scale, block).to(x.dtype), groups)
 
 
-def _grouped_product(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """x [..., groups * K] by the block-diagonal weight [groups * N_g, K] -> [..., groups * N_g]."""
+def grouped_product(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [..., groups * K] by the block-diagonal weight [groups * N_g, K] -> [..., groups * N_g] (a dense
+    GroupedLinear, or an FP8 one dequantized)."""
     grouped = x.reshape(-1, groups, weight.shape[1])
     product = torch.einsum("ngi,gri->ngr", grouped, weight.view(groups, -1, weight.shape[1]))
     return product.reshape(*x.shape[:-1], weight.shape[0])
@@ -221,7 +221,7 @@ def fp8_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor], s
     rows = x.numel() // x.shape[-1]
     config = decode_config(block, rows)
     fused = (triton is not None and x.is_cuda and rows <= TRITON_MAX_ROWS.get(block, 16)
-             and w1.shape[1] == w2.shape[1] and w1.shape[0] % config.block_n == 0 and w1.shape[0] % block == 0)
+             and w1.shape[1] == w2.shape[1] and w1.shape[0] % config.block_n == 0)
     if not fused:
         return fp8_linear(x, w1, s1, block), fp8_linear(x, w2, s2, block)
     return fp8_linear_pair_triton(x, first, second, block, config)

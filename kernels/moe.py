@@ -35,6 +35,7 @@ from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, experts_by_expert, experts_sorted
 from kernels.mma_layout import MXFP4MMAExperts
 from kernels.moe_mxfp4_mma import experts_mma
 from kernels.moe_pairs import pair_table, plus_residual, sum_pairs
+from kernels.norm import rows_in_place
 from kernels.quant import MXFP4Experts
 
 try:
@@ -84,18 +85,13 @@ def clamped_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float) ->
     """gate and up may be row-strided (column slices of one wider output, as fp8_linear_pair's): read
     in place; out is contiguous."""
     shape, width = gate.shape, gate.shape[-1]
-    gate, up = _rows_in_place(gate), _rows_in_place(up)
+    gate, up = rows_in_place(gate), rows_in_place(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     count = gate.numel()
     _clamped_swiglu_kernel[(triton.cdiv(count, SWIGLU_BLOCK),)](gate, up, out, count, width, gate.stride(0), up.stride(0),
                                                                 limit, BLOCK=SWIGLU_BLOCK)
     return out.view(shape)
 
-
-def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, width] with unit column stride, a view where x allows it."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -36,16 +36,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    # rows may be strided (a column slice of a wider output, as fp8_linear_pair's): read in place
+    rows = rows_in_place(x)  # rows may be strided (a column slice of a wider output, as fp8_linear_pair's)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # both forms cast back to the input dtype
     if rows.shape[0]:
         block = min(BLOCK, triton.next_power_of_2(dim))
         _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight, out, rows.stride(0), dim, eps,
                                            weight is not None, BLOCK=block)
     return out.view(x.shape)
+
+
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, width] with unit column stride: a view where x allows it (a row-strided column slice
+    is read in place by the kernels that take a row stride), a copy otherwise."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 if triton is not None:

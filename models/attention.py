@@ -168,9 +168,7 @@ class Attention(nn.Module):
     ) -> ChunkKeys:
         """The chunk's keys for the in-place kernel: the window's rows, then CSA's picked ids or HCA's
         every entry (limited by position), read through the block table where they lie."""
-        keys, first = window_rows(chunk, kv, cache.window, self.window)
-        positions = torch.arange(chunk.position, chunk.end_position, device=kv.device)
-        source = ChunkKeys(keys, first, positions, self.window)
+        source = window_source(chunk, kv, cache.window, self.window)
         if self.kind == CSA:
             ids = self.compressor.indexer.select(x, q_residual, chunk, cache.indexer, cos, sin)
             if ids is not None:
@@ -253,6 +251,13 @@ def window_keys(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span
     allowed = (key_positions[None, :] <= query_positions) & (key_positions[None, :] > query_positions - span)
     bias = torch.zeros(allowed.shape, dtype=kv.dtype, device=device).masked_fill(~allowed, float("-inf"))
     return keys, bias
+
+
+def window_source(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span: int) -> ChunkKeys:
+    """The chunk's window keys for `chunk_attention_in_place` (`window_rows`, with the queries' positions);
+    entries are added by the caller."""
+    keys, first = window_rows(chunk, kv, ring, span)
+    return ChunkKeys(keys, first, torch.arange(chunk.position, chunk.end_position, device=kv.device), span)
 
 
 def window_rows(chunk: SequenceChunk, kv: torch.Tensor, ring: torch.Tensor, span: int) -> tuple[torch.Tensor, int]:

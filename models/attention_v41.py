@@ -9,13 +9,13 @@ its window keys, its picked entries and the head's sink as separate softmax colu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from kernels import fake_quant_fp8_ue8m0
-from kernels.attention import ChunkKeys, chunk_attention_applies, chunk_attention_in_place
+from kernels.attention import chunk_attention_applies, chunk_attention_in_place
 from kernels.batch_invariant import batch_invariant_active
 from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, scores_per_query
 from kernels.indexer import indexer_scores
@@ -27,7 +27,7 @@ from models.attention import (
     attention_output,
     window_append,
     window_keys,
-    window_rows,
+    window_source,
 )
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
@@ -153,12 +153,10 @@ class SharedCompressedAttention(nn.Module):
         picks = self.kv_source is not None and selection.topk is not None
         entries = cache.layers[self.kv_source].shared.entries if picks else None
         if chunk_attention_applies(q, entries) and not batch_invariant_active():
-            keys, first = window_rows(chunk, kv, ring, self.window)
-            positions = torch.arange(chunk.position, chunk.end_position, device=kv.device)
-            source = ChunkKeys(keys, first, positions, self.window)
+            source = window_source(chunk, kv, ring, self.window)
             if picks:
-                source = ChunkKeys(keys, first, positions, self.window, entries, chunk.pages, selection.topk,
-                                   selection.topk.shape[1])
+                source = replace(source, entries=entries, pages=chunk.pages, ids=selection.topk,
+                                 entry_keys=selection.topk.shape[1])
             return chunk_attention_in_place(q, source, self.sinks, self.head_dim**-0.5)
         keys, bias = window_keys(chunk, kv, ring, self.window)
         return self._attend(q, keys, bias, self._picked_entries(chunk, cache, selection))

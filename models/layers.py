@@ -9,7 +9,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_linear_pair
+from kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_linear_pair, grouped_product
 from kernels.norm import rms_norm
 from kernels.quant import FP8_BLOCK
 from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
@@ -38,9 +38,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grouped = x.view(x.shape[0], self.groups, -1)
-        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
-        return torch.einsum("ngi,gri->ngr", grouped, weight).flatten(1)
+        return grouped_product(x, self.weight, self.groups)
 
 
 class Fp8Linear(nn.Module):
