@@ -19,6 +19,7 @@ come in the gathered path's order through the same tiles, so both give the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,22 @@ BLOCK_KEYS = 32
 # 769 / 3,679.
 KEYS_PER_SPLIT = 32
 IN_PLACE_WARPS = 8
+
+
+class ChunkTiles(NamedTuple):
+    """The prefill chunk kernel's program: heads a program, keys a tile, warps."""
+
+    block_heads: int
+    block_keys: int
+    warps: int
+
+
+# From scratch sweeps on the H200 (twentieth session; a 2,048-query chunk at 6,144 of V4-Flash, 64 heads of
+# 512): the window alone 0.55 ms with 16 heads x 32 keys x 4 warps (0.71 with 8 warps); with entries, HCA
+# 0.87 ms and CSA's 512 picked 3.42 ms with 32 x 64 x 8 (1.28 / 5.69 with 16 x 32 x 8). 64 heads a
+# program outgrow the shared memory at 32 keys and ran slower at 16.
+WINDOW_CHUNK_TILES = ChunkTiles(16, 32, 4)
+ENTRY_CHUNK_TILES = ChunkTiles(32, 64, 8)
 
 
 def decode_attention_reference(
@@ -213,29 +230,32 @@ def chunk_attention_applies(q: torch.Tensor, entries: object = None) -> bool:
     return kernels_attend(q) and plain
 
 
-def chunk_attention_in_place(q: torch.Tensor, source: ChunkKeys, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+def chunk_attention_in_place(q: torch.Tensor, source: ChunkKeys, sinks: torch.Tensor, scale: float,
+                             tiles: ChunkTiles | None = None) -> torch.Tensor:
     """A prefill chunk's attention (q [n, heads, D] -> [n, heads, D] in q's dtype) as the decode kernel
-    does it, one program per (query, 16 heads) walking that query's window rows and entries once,
+    does it, one program per (query, block of heads) walking that query's window rows and entries once,
     with the sinks folded in at the end: no [heads, n, keys] scores (the torch path scores every query
     against every window key of the chunk, 16x the visible ones at a 2,048-token chunk) and no
-    gathered copy of the picked entries ([n, k, D] a layer)."""
+    gathered copy of the picked entries ([n, k, D] a layer). `tiles`: None picks the measured ones for
+    the window alone or with entries."""
     n, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if not n:
         return out
     keys = source.keys.contiguous()
     has_entries = source.entries is not None and source.entry_keys > 0
+    tiles = tiles or (ENTRY_CHUNK_TILES if has_entries else WINDOW_CHUNK_TILES)
     entries = source.entries if has_entries else keys
     if has_entries and (not entries.is_contiguous() or entries.dtype != keys.dtype):
         raise ValueError("the paged entries must be contiguous, of the window keys' dtype")
     pages = source.pages.contiguous() if has_entries else source.positions
     ids = source.ids.contiguous() if source.ids is not None else source.positions
-    _chunk_attention_kernel[(n, triton.cdiv(heads, BLOCK_HEADS))](
+    _chunk_attention_kernel[(n, triton.cdiv(heads, tiles.block_heads))](
         q.contiguous(), keys, source.first, keys.shape[0], source.positions.contiguous(), source.span, entries, pages,
         ids, ids.stride(0) if source.ids is not None else 0, source.entry_keys, entries.shape[1] if has_entries else 1,
         source.rate, sinks.float().contiguous(), out, scale, heads,
-        HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=BLOCK_HEADS, BLOCK_K=BLOCK_KEYS,
-        WINDOW_TILES=triton.cdiv(source.span, BLOCK_KEYS), num_warps=IN_PLACE_WARPS,
+        HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=tiles.block_heads,
+        BLOCK_K=tiles.block_keys, WINDOW_TILES=triton.cdiv(source.span, tiles.block_keys), num_warps=tiles.warps,
     )
     return out
 

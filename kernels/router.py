@@ -51,6 +51,14 @@ class LogitsConfig(NamedTuple):
 # token) took 7.6 / 8.6 / 18.2 us at 1 / 8 / 32 tokens, against 6.6 / 11.7 / 25.4 for 8 x 8 shares of
 # 512; the least summed over the three of 19 grids but one (32 x 8 of 256: 33.4 us against 34.4).
 LOGITS_CONFIG = LogitsConfig(16, 512, 4, 4)
+# From this many tokens (prefill chunks) the logits run in tiles of TILE_TOKENS tokens x TILE_EXPERTS
+# experts, each tile of the weight read once for them all by one dot: the per-token programs read the
+# whole 2 MB weight once per token, ~0.6 ms a router on a 2,048-token chunk on the H200. The shares of
+# the hidden channels stay LOGITS_CONFIG's, so the pick kernel adds the same partial logits.
+TILE_MIN_TOKENS = 64
+TILE_TOKENS = 64
+TILE_EXPERTS = 64
+TILE_K = 64
 
 
 def route_reference(
@@ -92,10 +100,18 @@ def route_triton(
     x, weight = x.contiguous(), weight.contiguous()
     per_share = triton.cdiv(triton.cdiv(dim, config.k_block), config.splits) * config.k_block
     logits = torch.empty(tokens, config.splits, experts, dtype=torch.float32, device=x.device)
-    _router_logits_kernel[(tokens, triton.cdiv(experts, config.expert_block), config.splits)](
-        x, weight, logits, experts, dim, per_share // config.k_block, BLOCK_E=config.expert_block,
-        BLOCK_K=config.k_block, num_warps=config.warps,
-    )
+    if tokens >= TILE_MIN_TOKENS:
+        per_share = triton.cdiv(triton.cdiv(dim, TILE_K), config.splits) * TILE_K
+        _router_logits_tiles_kernel[(triton.cdiv(tokens, TILE_TOKENS), triton.cdiv(experts, TILE_EXPERTS), config.splits)](
+            x, weight, logits, tokens, experts, dim, per_share // TILE_K, BLOCK_T=TILE_TOKENS, BLOCK_E=TILE_EXPERTS,
+            BLOCK_K=TILE_K, HALF_DOT=x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16),
+            num_warps=4,
+        )
+    else:
+        _router_logits_kernel[(tokens, triton.cdiv(experts, config.expert_block), config.splits)](
+            x, weight, logits, experts, dim, per_share // config.k_block, BLOCK_E=config.expert_block,
+            BLOCK_K=config.k_block, num_warps=config.warps,
+        )
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     hashed = table is not None
@@ -129,6 +145,33 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc += w * xk[None, :]
         tl.store(logits_ptr + (token * tl.num_programs(2) + share) * experts + e, tl.sum(acc, axis=1), mask=rows)
+
+    @triton.jit(do_not_specialize=["share_steps"])
+    def _router_logits_tiles_kernel(x_ptr, weight_ptr, logits_ptr, tokens, experts, dim, share_steps,
+                                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    HALF_DOT: tl.constexpr):
+        """`_router_logits_kernel`'s partial logits for BLOCK_T tokens x BLOCK_E experts at once, as one
+        dot a step: in half precision where x and the weight both are (their products are exact in the
+        float32 accumulator), else in float32 (IEEE, not TF32)."""
+        block, e_block, share = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        e = e_block * BLOCK_E + tl.arange(0, BLOCK_E)
+        live, rows = t < tokens, e < experts
+        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        begin = share * share_steps * BLOCK_K
+        for start in range(begin, tl.minimum(begin + share_steps * BLOCK_K, dim), BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            inside = k < dim
+            xk = tl.load(x_ptr + t[:, None].to(tl.int64) * dim + k[None, :], mask=live[:, None] & inside[None, :],
+                         other=0.0)
+            w = tl.load(weight_ptr + e[None, :].to(tl.int64) * dim + k[:, None], mask=rows[None, :] & inside[:, None],
+                        other=0.0)
+            if HALF_DOT:
+                acc = tl.dot(xk, w, acc)
+            else:
+                acc = tl.dot(xk.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        out = logits_ptr + (t[:, None] * tl.num_programs(2) + share) * experts + e[None, :]
+        tl.store(out, acc, mask=live[:, None] & rows[None, :])
 
     @triton.jit
     def _router_pick_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, experts,

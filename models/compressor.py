@@ -127,7 +127,7 @@ class Indexer(WindowPooler):
         positions = torch.arange(chunk.position, chunk.end_position, device=x.device)
         counts = (positions + 1) // self.rate  # entries complete at each query's position
         q = self.q_b_proj(q_residual).view(chunk.length, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin).float()
+        q = apply_rope(q, cos, sin)  # the model's dtype: kernels/index_topk.py scores it with exact products
         keys = paged_read(cache.entries, chunk.pages, n_entries)
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         if not batch_invariant_active():  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor

@@ -148,11 +148,12 @@ class SharedIndexer(nn.Module):
     def queries(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's roped (and rounded) queries [n, H, D] and head weights [n, H] (scaled by H^-0.5),
-        both float32: what kernels/index_topk.py scores with."""
+        """The chunk's roped (and rounded) queries [n, H, D] in the model's dtype and head weights [n, H]
+        (scaled by H^-0.5) in float32: what kernels/index_topk.py scores with (its float32 products of
+        the queries are exact either way)."""
         n = x.shape[0]
         q = self.quantize(apply_rope(self.q_b_proj(q_residual).view(n, self.n_heads, self.head_dim), cos, sin))
-        return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
 
     def top(self, scores: torch.Tensor) -> torch.Tensor | None:
         """[n, k] ids of the best entries (ties: lowest id), -1 where fewer than k are eligible."""

@@ -348,8 +348,10 @@ def test_triton_kernels_compiled_equal_their_references(seed):
     check_argmax_logprob(rows=33, vocab=129280, seed=seed, device="cuda")  # V4's vocabulary
     for dtype in (torch.float32, torch.bfloat16):
         check_router(tokens=33, experts=256, dim=4096, top_k=6, dtype=dtype, seed=seed, device="cuda")  # V4-Flash
+        check_router(tokens=300, experts=256, dim=4096, top_k=6, dtype=dtype, seed=seed, device="cuda")  # in tiles
     for dtype in (torch.float32, torch.bfloat16):
         check_hc_site_and_merge(4, tokens=33, dim=4096, dtype=dtype, seed=seed, device="cuda")  # V4-Flash widths
+        check_hc_site_and_merge(4, tokens=300, dim=4096, dtype=dtype, seed=seed, device="cuda")  # a prefill chunk's tiles
         check_hc_site_and_merge(4, tokens=1, dim=1100, dtype=dtype, seed=seed, device="cuda")
     for dtype in (torch.float32, torch.bfloat16):
         for weighted in (True, False):
@@ -384,6 +386,15 @@ def test_decode_attention_in_place_compiled_equals_the_gathered_kernel():
 
     check_decode_attention_in_place(batch=4, heads=64, window=128, dim=512, dtype=torch.bfloat16, seed=5, device="cuda")
     check_decode_attention_in_place(batch=5, heads=4, window=40, dim=32, dtype=torch.bfloat16, seed=6, device="cuda")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_indexer_scores_kernel_compiled_equals_the_torch_path(seed):
+    from tests.test_triton_kernels import check_masked_scores
+
+    for dtype in (torch.bfloat16, torch.float16):
+        check_masked_scores(n=300, heads=64, dim=128, total=1000, first=0, dtype=dtype, seed=seed, device="cuda")  # V4-Flash
+        check_masked_scores(n=70, heads=64, dim=128, total=300, first=500, dtype=dtype, seed=seed, device="cuda")
 
 
 def test_chunk_attention_kernel_compiled_equals_the_models_prefill_path():
@@ -422,8 +433,10 @@ def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
     """V4.1 in bf16 with its simulated quantization, decode steps replaying graphs: packed FP4 pages,
     on the device or in the host tier (pinned host memory the gathers read in place, a ring of 16
     tokens per sequence, contexts to 81), give bitwise the logits of the plain cache (prompts
-    prefilled eagerly on all three)."""
+    prefilled eagerly on all three, in deterministic mode: the plain store's prefill would otherwise
+    attend through the in-place chunk kernel, which packed pages do not take, and round differently)."""
     from bench.decode import pages_holding
+    from kernels.batch_invariant import BatchInvariantMode
     from worker.cuda_graphs import DecodeRow
 
     model = load_model(checkpoints["v41"], dtype=torch.bfloat16, device="cuda")
@@ -433,7 +446,8 @@ def test_packed_pages_on_graphs_equal_the_plain_cache(checkpoints):
     positions = [7, 30, 61]
     for runner in runners:
         for slot, n in enumerate(positions):
-            runner.model(ForwardBatch.build([(slot, random_tokens(n, seed=slot), 0)]), runner.cache)
+            with BatchInvariantMode():
+                runner.model(ForwardBatch.build([(slot, random_tokens(n, seed=slot), 0)]), runner.cache)
     for step in range(20):
         tokens = random_tokens(3, seed=80 + step)
         logits = []

@@ -84,8 +84,12 @@ def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, s
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_hc_site_and_merge_kernels_equal_the_reference(n):
-    check_hc_site_and_merge(n, tokens=3, dim=1100, dtype=torch.float32, seed=n)  # a partial last block
+@pytest.mark.parametrize("tokens", [3, 70])  # per-token projection; in tiles of 32 tokens (a partial last tile)
+def test_hc_site_and_merge_kernels_equal_the_reference(n, tokens):
+    from kernels.hyper import PROJECT_TILE_MIN_TOKENS
+
+    assert (tokens >= PROJECT_TILE_MIN_TOKENS) == (tokens == 70)
+    check_hc_site_and_merge(n, tokens=tokens, dim=1100, dtype=torch.float32, seed=n)  # a partial last block
 
 
 def check_router(tokens: int, experts: int, dim: int, top_k: int, dtype: torch.dtype, seed: int,
@@ -140,6 +144,19 @@ def test_argmax_logprob_kernels_equal_the_reference():
 
 def test_router_kernels_equal_the_reference():
     check_router(tokens=3, experts=24, dim=700, top_k=6, dtype=torch.float32, seed=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_router_logits_in_tiles_equal_the_reference(dtype):
+    """A prefill chunk's logits in tiles of tokens x experts (float32 or half-precision dots), partial
+    tiles of both, shares past the last channel. float16 stands for the half-precision dot here: Triton
+    3.9's interpreter multiplies bfloat16 tiles wrongly (its dots of bf16 ones are garbage), so the GPU
+    test checks bf16 compiled."""
+    from kernels.router import TILE_MIN_TOKENS, TILE_TOKENS
+
+    tokens = TILE_TOKENS + 9
+    assert tokens >= TILE_MIN_TOKENS
+    check_router(tokens=tokens, experts=72, dim=700, top_k=6, dtype=dtype, seed=2)
 
 
 def test_router_logits_split_over_channels_equal_the_reference():
@@ -913,3 +930,39 @@ def check_engram_hash(batch: int, seed: int, device: str = DEVICE) -> None:
 
 def test_engram_hash_kernel_is_bitwise_the_reference():
     check_engram_hash(batch=9, seed=0)
+
+
+def check_masked_scores(n: int, heads: int, dim: int, total: int, first: int, dtype: torch.dtype, seed: int,
+                        device: str = DEVICE) -> None:
+    """The indexer's chunk scoring kernel against the torch path: half-precision queries and keys (their
+    products exact in float32), float32 head weights, entries first .. first + total - 1 masked past each
+    query's visible count (none visible, some, all). Sums run in another order: within 1e-5 of the
+    scores' scale. Then the chunk's top-k through the kernel picks the torch path's ids wherever the k-th
+    and (k+1)-th scores are apart by more than that."""
+    from kernels.index_topk import indexer_topk, masked_scores_reference, masked_scores_triton, scoring_kernel_applies
+
+    generator = torch.Generator(device).manual_seed(seed)
+    q = torch.randn(n, heads, dim, generator=generator, device=device).to(dtype)
+    keys = torch.randn(total, dim, generator=generator, device=device).to(dtype)
+    weights = torch.rand(n, heads, generator=generator, device=device)
+    visible = torch.randint(first, first + total + 2, (n,), generator=generator, device=device)
+    visible[0], visible[1] = 0, first + total
+    got = masked_scores_triton(q, weights, keys, visible, first)
+    want = masked_scores_reference(q, weights, keys, visible, first)
+    assert torch.equal(got == float("-inf"), want == float("-inf"))
+    seen = want > float("-inf")
+    scale = want[seen].abs().max()
+    torch.testing.assert_close(got[seen] / scale, want[seen] / scale, rtol=0, atol=1e-5)
+    if first == 0 and scoring_kernel_applies(q, keys):
+        k = 16
+        ids = indexer_topk(q, weights, keys, visible, k, key_tile=total // 3).ids
+        ordered = want.sort(dim=1, descending=True).values
+        apart = (ordered[:, k - 1] - ordered[:, k]).abs() > 1e-4 * scale
+        want_ids = indexer_topk(q.float(), weights, keys.float(), visible, k).ids  # the torch path (float32)
+        assert torch.equal(ids[apart], want_ids[apart]) and apart.sum() > n // 2
+
+
+def test_indexer_scores_kernel_equals_the_torch_path():
+    # float16 stands for the half-precision dots here (the interpreter's bfloat16 dots are wrong)
+    check_masked_scores(n=70, heads=3, dim=16, total=150, first=0, dtype=torch.float16, seed=0)
+    check_masked_scores(n=9, heads=2, dim=32, total=40, first=25, dtype=torch.float16, seed=1)
