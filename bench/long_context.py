@@ -5,7 +5,7 @@ changes nothing (JSON lines).
     python -m bench.long_context [--config configs/models/DeepSeek-V4.1-Flash/config.json] [--layers 3]
                                  [--context 32768 131072] [--concurrency 1 8] [--steps 32] [--check-steps 8]
                                  [--hot-tokens 32768] [--prefill-chunk 512] [--block-tokens 128] [--device cuda]
-                                 [--dtype bfloat16]
+                                 [--dtype bfloat16] [--caches plain packed tiered]
 
 The model is the first --layers layers of a V4.1 config with random weights built in device memory
 (bench/slice.py's rule; Engram and the MTP layers left out, sources past the slice dropped): the
@@ -19,6 +19,8 @@ graphs on the GPU). Lines:
 - `long_context.check`: per context, whether the packed and tiered caches picked the same top-k ids as
   the plain cache for every query of the last prefill chunk, and gave bitwise the same decode logits
   (and the largest difference);
+- `long_context.prefill`: per (cache, context) the prompt's prefill time from the first chunk's launch
+  to the last chunk's end (TTFT less the first token's draw) and its tokens/s;
 - `long_context.decode`: per (cache, context, concurrency) step p50 / p90 ms and tokens/s, the cache's
   bytes per token on the device and in the host tier, pages copied into the ring, and for the tiered
   cache its tokens/s over the packed cache's.
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.decode import chunk
-from bench.slice import copy_slot_to_all, decode_steps, random_tokens, run_fields
+from bench.slice import copy_slot_to_all, decode_steps, random_tokens, run_fields, synchronize
 from contract import StepPlan
 from models import ForwardBatch, ModelConfig
 from models.attention_v41 import SelectionTrace
@@ -111,11 +114,19 @@ def run(args: argparse.Namespace) -> None:
         seen: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
         speed: dict[tuple[str, int], float] = {}
         max_len = context + args.check_steps + len(args.concurrency) * (args.steps + 2) + 1
-        for name, (kv_dtype, tier) in CACHES.items():
+        for name in args.caches:
+            kv_dtype, tier = CACHES[name]
             runner = ModelRunner(model, most, max_len, device=args.device, cuda_graphs=args.device == "cuda",
                                  kv_cache_dtype=kv_dtype, kv_hot_tokens=args.hot_tokens if tier else None,
                                  snapshot_slots=1, block_tokens=args.block_tokens)
+            synchronize(args.device)
+            start = time.perf_counter()
             topk = prefill_traced(runner, prompt, args.prefill_chunk)
+            synchronize(args.device)
+            seconds = time.perf_counter() - start
+            print(json.dumps({"bench": "long_context.prefill", "cache": name, "context": context,
+                              "prefill_chunk": args.prefill_chunk, "hot_tokens": args.hot_tokens if tier else None,
+                              "prefill_s": seconds, "prefill_tokens_per_s": context / seconds, **fields}), flush=True)
             seen[name] = (topk, check_decode(runner, context, check_tokens))
             copy_slot_to_all(runner, most)
             for concurrency in args.concurrency:
@@ -126,14 +137,16 @@ def run(args: argparse.Namespace) -> None:
                 row = {"bench": "long_context.decode", "cache": name, "context": context, "concurrency": concurrency,
                        "hot_tokens": args.hot_tokens if tier else None, **measured, **per_token_bytes(runner),
                        "ring_pages_filled": runner.cache.hot.filled_pages if runner.cache.hot else 0}
-                if name == "tiered":
+                if name == "tiered" and ("packed", concurrency) in speed:
                     row["tokens_per_s_over_packed"] = measured["tokens_per_s"] / speed["packed", concurrency]
                 print(json.dumps({**row, **fields}), flush=True)
             del runner
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        if "plain" not in seen:
+            continue
         plain_topk, plain_logits = seen["plain"]
-        for name in ("packed", "tiered"):
+        for name in [name for name in ("packed", "tiered") if name in seen]:
             topk, logits = seen[name]
             print(json.dumps({
                 "bench": "long_context.check", "cache": name, "context": context, "hot_tokens": args.hot_tokens,
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES),
+                        help="which caches run (the check lines need plain beside packed / tiered)")
     run(parser.parse_args(argv))
 
 

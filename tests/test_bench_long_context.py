@@ -25,3 +25,18 @@ def test_long_context_bench_checks_the_tier_against_the_plain_cache(checkpoints,
     assert [r["cache"] for r in checks] == ["packed", "tiered"]
     for check in checks:
         assert check["topk_queries"] > 0 and check["topk_equal"] and check["logits_equal"] and check["tokens_equal"]
+    prefills = [r for r in rows if r["bench"] == "long_context.prefill"]
+    assert [r["cache"] for r in prefills] == ["plain", "packed", "tiered"]
+    assert all(r["prefill_s"] > 0 and r["prefill_tokens_per_s"] == 200 / r["prefill_s"] for r in prefills)
+
+
+def test_long_context_bench_runs_the_host_tier_alone(checkpoints, capsys):
+    """`--caches tiered`: the long prompt's prefill and decode lines for the host tier only (what a
+    context the plain cache cannot hold needs), no check lines."""
+    main(["--config", str(checkpoints["v41"] / "config.json"), "--layers", "6", "--context", "120",
+          "--concurrency", "1", "--steps", "2", "--check-steps", "1", "--hot-tokens", "16",
+          "--block-tokens", "16", "--prefill-chunk", "64", "--device", "cpu", "--dtype", "float32",
+          "--caches", "tiered"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["bench"], r["cache"]) for r in rows] == [("long_context.prefill", "tiered"), ("long_context.decode", "tiered")]
+    assert "tokens_per_s_over_packed" not in rows[1] and rows[1]["host_bytes_per_token"] > 0
