@@ -42,19 +42,22 @@ IN_PLACE_WARPS = 8
 
 
 class ChunkTiles(NamedTuple):
-    """The prefill chunk kernel's program: heads a program, keys a tile, warps."""
+    """The prefill chunk kernel's program: heads a program, keys a tile, warps, and Triton's software
+    pipelining depth (key tiles in flight; 3 is its default on CUDA)."""
 
     block_heads: int
     block_keys: int
     warps: int
+    stages: int = 3
 
 
 # From scratch sweeps on the H200 (twentieth session; a 2,048-query chunk at 6,144 of V4-Flash, 64 heads of
-# 512): the window alone 0.55 ms with 16 heads x 32 keys x 4 warps (0.71 with 8 warps); with entries, HCA
-# 0.87 ms and CSA's 512 picked 3.42 ms with 32 x 64 x 8 (1.28 / 5.69 with 16 x 32 x 8). 64 heads a
-# program outgrow the shared memory at 32 keys and ran slower at 16.
-WINDOW_CHUNK_TILES = ChunkTiles(16, 32, 4)
-ENTRY_CHUNK_TILES = ChunkTiles(32, 64, 8)
+# 512): the window alone 0.33 ms with 32 heads x 128 keys (the whole span, one tile) x 8 warps (16 x 32 x
+# 4: 0.55; 16 x 32 x 8, the decode kernel's: 0.71); with entries, CSA's 512 picked 2.50 ms with 32 x 64 x 8
+# and no software pipelining (3.27 with Triton's 3 stages, 5.69 with 16 x 32 x 8), HCA 0.87 ms with 32 x 64
+# x 8 (1.28 with 16 x 32 x 8). 64 heads a program outgrow the shared memory at 32 keys and ran slower at 16.
+WINDOW_CHUNK_TILES = ChunkTiles(32, 128, 8)
+ENTRY_CHUNK_TILES = ChunkTiles(32, 64, 8, stages=1)
 
 
 def decode_attention_reference(
@@ -256,6 +259,7 @@ def chunk_attention_in_place(q: torch.Tensor, source: ChunkKeys, sinks: torch.Te
         source.rate, sinks.float().contiguous(), out, scale, heads,
         HAS_ENTRIES=has_entries, HAS_IDS=source.ids is not None, D=head_dim, BLOCK_H=tiles.block_heads,
         BLOCK_K=tiles.block_keys, WINDOW_TILES=triton.cdiv(source.span, tiles.block_keys), num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
     return out
 

@@ -82,6 +82,12 @@ class Tile(NamedTuple):
 Blocks = dict[str, tuple[int, ...]]
 DECODE_BLOCKS: Blocks = {"gate_up": Tile(16, 128, 128, 4, 2), "down": Tile(16, 128, 128, 4, 2)}
 PREFILL_BLOCKS: Blocks = {"gate_up": Tile(64, 64, 128, 4, 3), "down": Tile(64, 64, 128, 4, 3)}
+# From this many pairs (4,096 tokens at top-6: ~96 pairs an expert of 256) the sorted kernels take larger
+# tiles: on the MMA layout (twentieth session, one V4-Flash layer, H200) 128 x 128 x 128 with 8 warps and 4
+# stages took 6.27 ms at 4,096 tokens against 8.10 for PREFILL_BLOCKS (12.09 / 13.26 at 8,192 with 3
+# stages), but 6.48 against 4.44 at 2,048 tokens (~48 pairs an expert, half of a 128-pair tile idle).
+LARGE_PREFILL_PAIRS = 24576
+LARGE_PREFILL_BLOCKS: Blocks = {"gate_up": Tile(128, 128, 128, 8, 4), "down": Tile(128, 128, 128, 8, 4)}
 # K shares of the decode GEMMs by pair count: (up to this many pairs, gate_up shares, down shares), the
 # first row that holds the step's pairs applies; 1 runs the fused kernel (no partial sums). From the
 # same sweep at top-6 (so 6 pairs are 1 token): 1 token 82.7 us with (2, 1) against 93.7 unsplit (3
@@ -119,10 +125,12 @@ def decode_splits(pairs: int) -> tuple[int, int]:
 def experts_sorted(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Experts,
     first: int, limit: float, weight_before_down: bool, residual: torch.Tensor | None = None, *,
-    blocks: Blocks = PREFILL_BLOCKS, upcast: str | None = None,
+    blocks: Blocks | None = None, upcast: str | None = None,
 ) -> torch.Tensor:
-    """The same for any number of pairs (prefill): pairs sorted by expert into blocks of one expert."""
+    """The same for any number of pairs (prefill): pairs sorted by expert into blocks of one expert.
+    `blocks` None: `prefill_blocks`' for the pair count."""
     tokens, k = experts.shape
+    blocks = blocks or prefill_blocks(tokens * k)
     held = gate_up.shape[0]
     expert_of, weight = pair_table(experts, weights, first, held)
     table = _SortedTable.build(expert_of, held, blocks["gate_up"][0])
@@ -130,6 +138,12 @@ def experts_sorted(
         raise ValueError("the sorted kernels share one block table: gate_up and down need the same BLOCK_M")
     return _run(x, weight, expert_of, table, gate_up, down, k, limit, weight_before_down, blocks,
                 _checked(upcast), (1, 1), residual)
+
+
+def prefill_blocks(pairs: int) -> Blocks:
+    """The sorted kernels' tiles for `pairs` (token, expert) pairs: LARGE_PREFILL_BLOCKS from
+    LARGE_PREFILL_PAIRS on, PREFILL_BLOCKS below."""
+    return LARGE_PREFILL_BLOCKS if pairs >= LARGE_PREFILL_PAIRS else PREFILL_BLOCKS
 
 
 def _interpreting() -> bool:

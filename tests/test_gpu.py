@@ -614,10 +614,10 @@ def test_pairwise_mxfp4_experts_compiled_equal_the_reference():
 def test_mxfp4_tensor_core_experts_compiled_equal_the_reference(tokens):
     """kernels/moe_mxfp4.py compiled, with the decode and prefill block shapes it dispatches and small
     ones, at widths that are not multiples of the blocks and at V4-Flash's."""
-    from kernels.moe_mxfp4 import DECODE_BLOCKS, PREFILL_BLOCKS
+    from kernels.moe_mxfp4 import DECODE_BLOCKS, LARGE_PREFILL_BLOCKS, PREFILL_BLOCKS
     from tests.test_triton_kernels import check_experts_mxfp4_tensor_cores
 
-    for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
+    for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS, LARGE_PREFILL_BLOCKS):
         check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks)
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS)
 
@@ -653,16 +653,17 @@ def test_mxfp4_ptx_upcast_compiled_is_bitwise_the_reference():
 def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
     """The PTX decode through both kernels, with the block shapes of the test above, K split into
     shares or not."""
-    from kernels.moe_mxfp4 import DECODE_BLOCKS, PREFILL_BLOCKS
+    from kernels.moe_mxfp4 import DECODE_BLOCKS, LARGE_PREFILL_BLOCKS, PREFILL_BLOCKS
     from tests.test_triton_kernels import check_experts_mxfp4_tensor_cores
 
     for blocks in (None, DECODE_BLOCKS, PREFILL_BLOCKS):
         check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=320, inter=224, blocks=blocks,
                                          upcasts=("ptx",), splits=(None, (2, 2)))
+    for blocks in (PREFILL_BLOCKS, LARGE_PREFILL_BLOCKS):  # the sorted kernels on the layout prefill reads
+        check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=256, inter=128, blocks=blocks,
+                                         upcasts=("ptx",), splits=(None,), mma_layout=True)
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS,
                                      upcasts=("ptx",))
-    check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=256, inter=128, blocks=PREFILL_BLOCKS,
-                                     upcasts=("ptx",), splits=(None, (2, 2)), mma_layout=True)
 
 
 @pytest.mark.parametrize("kernel", ["triton", "mma"])

@@ -481,6 +481,15 @@ def check_experts_mxfp4_tensor_cores(tokens: int, seed: int, device: str = DEVIC
                 torch.testing.assert_close(run(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
+def test_prefill_takes_the_large_tiles_from_their_pair_count():
+    from kernels.moe_mxfp4 import LARGE_PREFILL_BLOCKS, LARGE_PREFILL_PAIRS, PREFILL_BLOCKS, prefill_blocks
+
+    assert prefill_blocks(2048 * 6) is PREFILL_BLOCKS  # a 2,048-token chunk at top-6
+    assert prefill_blocks(LARGE_PREFILL_PAIRS - 1) is PREFILL_BLOCKS
+    assert prefill_blocks(LARGE_PREFILL_PAIRS) is LARGE_PREFILL_BLOCKS and prefill_blocks(8192 * 6) is LARGE_PREFILL_BLOCKS
+    assert LARGE_PREFILL_BLOCKS["gate_up"][0] == LARGE_PREFILL_BLOCKS["down"][0]  # one block table for both
+
+
 def test_mxfp4_tensor_core_experts_equal_the_reference():
     """Row and column counts that are not multiples of the blocks; ~18 pairs an expert, more than a
     block of 16 holds (the scanning kernel's second block of an expert); expert 1 is another rank's."""
