@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.mma_layout import CHUNK, MXFP4MMAExperts, in_code_order
-from kernels.moe_pairs import pair_table, sum_pairs
+from kernels.moe_pairs import pair_table, sum_pairs, swiglu_pairs_triton
 from kernels.quant import MXFP4Experts
 from kernels.split_k import tile_counters
 
@@ -45,6 +45,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.moe_pairs import _swiglu
     from kernels.quant import _e8m0_to_float
 except ImportError:  # CPU-only installs: the reference path runs
     triton = None
@@ -56,8 +57,6 @@ MAX_SCAN_PAIRS = 1024
 UPCASTS = ("dot_scaled", "bits", "ptx")
 # expert ids a scanning program reads per step of its scan (one step up to 42 tokens at top-6)
 SCAN_CHUNK = 256
-# output columns per program of the kernels that add the K shares
-REDUCE_BLOCK = 256
 
 
 class Tile(NamedTuple):
@@ -237,10 +236,7 @@ def _run(
         num_warps=tile.warps, num_stages=tile.stages, **shared,
     )
     if shares > 1 and counters is None:
-        _swiglu_shares_kernel[(pairs, triton.cdiv(inter, REDUCE_BLOCK))](
-            partial, expert_of, weight, hidden, pairs, inter, shares, limit, weight_before_down, BLOCK=REDUCE_BLOCK,
-            num_warps=4,
-        )
+        swiglu_pairs_triton(partial, expert_of, weight, limit, weight_before_down, out=hidden)
     tile = Tile(*blocks["down"])
     shares, share_steps = _shares(inter, tile.block_k, splits[1])
     out = torch.empty(shares, pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' rows stay unread
@@ -420,12 +416,6 @@ if triton is not None:
             valid = wanted < count
         return expert, pair, valid & ((slot * 0 + expert) >= 0)
 
-    @triton.jit
-    def _swiglu(gate, up, limit):
-        """The clamped SwiGLU of kernels/moe.py's clamped_swiglu, in float32."""
-        gate = tl.minimum(gate, limit)
-        return gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
-
     @triton.jit(do_not_specialize=["pairs", "share_steps"])
     def _gate_up_kernel(
         x_ptr, expert_of_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, weight_ptr,
@@ -436,7 +426,7 @@ if triton is not None:
         """Program (block, row block, share): gate and up over K steps [share x share_steps, + share_steps). SPLIT:
         their float32 sums to out[share, pair, rows] and [..., inter + rows], and with LAST_SUMS the
         tile's last share to finish (kernels/split_k.py) adds them in share order as
-        _swiglu_shares_kernel does, into hidden; else the activation (and the routing weight) to
+        kernels/moe_pairs.py's swiglu_pairs does, into hidden; else the activation (and the routing weight) to
         hidden[pair, rows] in bf16 (out is hidden then). In kernels/mma_layout.py's layout output column
         `rows` is weight row `_code_rows(rows)`: hidden comes out in the order down's codes need."""
         limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
@@ -520,23 +510,3 @@ if triton is not None:
                               UPCAST, F32_DOT, BLOCK_N, BLOCK_K, MMA_LAYOUT)
         row_of += tl.program_id(2).to(tl.int64) * pairs
         tl.store(out_ptr + row_of[:, None] * dim + rows[None, :], acc, mask=valid[:, None] & in_rows[None, :])
-
-    @triton.jit(do_not_specialize=["pairs", "shares"])
-    def _swiglu_shares_kernel(partial_ptr, expert_of_ptr, weight_ptr, hidden_ptr, pairs, inter, shares, limit,
-                              WEIGHT_BEFORE_DOWN: tl.constexpr, BLOCK: tl.constexpr):
-        """hidden[pair, cols] = SwiGLU of gate / up summed over the shares in share order (another rank's
-        pair: its partial rows were never written, and nothing reads its hidden row)."""
-        limit = tl.cast(limit, tl.float32)  # Inductor passes Python floats as fp64
-        pair = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = (cols < inter) & (cols * 0 + tl.load(expert_of_ptr + pair) >= 0)  # a vector: the interpreter's masks
-        gate = tl.zeros([BLOCK], dtype=tl.float32)
-        up = tl.zeros([BLOCK], dtype=tl.float32)
-        for share in range(0, shares):
-            row = partial_ptr + (share * pairs + pair).to(tl.int64) * 2 * inter
-            gate += tl.load(row + cols, mask=inside, other=0.0)
-            up += tl.load(row + inter + cols, mask=inside, other=0.0)
-        hidden = _swiglu(gate, up, limit)
-        if WEIGHT_BEFORE_DOWN:
-            hidden = hidden * tl.load(weight_ptr + pair)
-        tl.store(hidden_ptr + pair.to(tl.int64) * inter + cols, hidden.to(tl.bfloat16), mask=inside)

@@ -19,7 +19,7 @@ expert ids, as the Triton decode kernels do: no sort, no host sync, capturable) 
 rows x one K share; each lane keeps the next 128-column chunk's weights, scales and activation
 operands in flight in registers while it decodes and multiplies the current one. (Staging the weights
 through shared memory by cp.async instead measured slower at every batch: BENCHMARKS.md.) It writes
-float32 partial sums [shares, pairs, rows], which kernels/moe_mxfp4.py's `_swiglu_shares_kernel`
+float32 partial sums [shares, pairs, rows], which kernels/moe_pairs.py's `swiglu_pairs`
 (gate_up) and kernels/moe_pairs.py's `sum_pairs` (down) finish. Prefill (more than MAX_SCAN_PAIRS
 pairs) runs kernels/moe_mxfp4.py's sorted kernels, which read this layout too.
 
@@ -36,8 +36,8 @@ import torch
 
 from kernels.cuda_mma import compiled, device_index, launch, multiprocessors, runs_on
 from kernels.mma_layout import CHUNK, TILE_ROWS, MXFP4MMAExperts
-from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, REDUCE_BLOCK, _swiglu_shares_kernel
-from kernels.moe_pairs import pair_table, sum_pairs
+from kernels.moe_mxfp4 import MAX_SCAN_PAIRS
+from kernels.moe_pairs import pair_table, sum_pairs, swiglu_pairs_triton
 
 @dataclass(frozen=True)
 class Build:
@@ -82,11 +82,7 @@ def experts_mma(
     expert_of, weight = pair_table(experts, weights, first, held)
     wanted = shares or (_fill(pairs, held, double_inter, dim, build), _fill(pairs, held, dim, inter, build))
     partial = _gemm(x.contiguous(), expert_of, gate_up, k, wanted[0], build)
-    hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
-    _swiglu_shares_kernel[(pairs, -(-inter // REDUCE_BLOCK))](
-        partial, expert_of, weight, hidden, pairs, inter, partial.shape[0], limit, weight_before_down,
-        BLOCK=REDUCE_BLOCK, num_warps=4,
-    )
+    hidden = swiglu_pairs_triton(partial, expert_of, weight, limit, weight_before_down)
     out = _gemm(hidden, expert_of, down, 1, wanted[1], build)
     return sum_pairs(out, expert_of, weight, k, weight_before_down, residual)
 

@@ -372,11 +372,12 @@ def test_decode_attention_kernel_compiled_equals_the_reference(n_keys):
 def test_moe_pair_kernels_and_swiglu_compiled_equal_their_references():
     """V4-Flash widths: 32 tokens at top-6 over 4096 channels, shares of a split down GEMM; the shared
     expert's SwiGLU in bf16 (2048 wide) and float32."""
-    from tests.test_triton_kernels import check_clamped_swiglu, check_moe_pairs
+    from tests.test_triton_kernels import check_clamped_swiglu, check_moe_pairs, check_swiglu_pairs
 
     check_moe_pairs(tokens=32, k=6, dim=4096, shares=1, seed=7, device="cuda")
     check_moe_pairs(tokens=1, k=6, dim=4096, shares=2, seed=8, device="cuda")
     check_clamped_swiglu((32, 2048), torch.bfloat16, seed=9, device="cuda")
+    check_swiglu_pairs(pairs=300, inter=2048, shares=2, seed=9, device="cuda")  # V4-Flash's inter
     check_clamped_swiglu((5, 3000), torch.float32, seed=10, device="cuda")
 
 

@@ -359,6 +359,43 @@ def check_moe_pairs(tokens: int, k: int, dim: int, shares: int, seed: int, devic
             else:  # Triton's interpreter casts to bf16 by truncation: one bf16 step at most
                 torch.testing.assert_close(out, expected, rtol=2**-7, atol=0)
     assert not sum_pairs_reference(partial, expert_of, weight, k, False).isnan().any()
+    # rows in another order (the grouped GEMMs' sorted rows), read through the pair -> row map, in float32
+    # and as bf16 GEMM output: the same sums as rows in pair order
+    order = torch.randperm(tokens * k, generator=generator, device=device)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(tokens * k, device=device)
+    for rows in (partial, partial.to(torch.bfloat16)):
+        shuffled = rows[:, order]
+        for weighted in (True, False):
+            expected = sum_pairs_reference(rows, expert_of, weight, k, weighted)
+            assert torch.equal(sum_pairs_reference(shuffled, expert_of, weight, k, weighted, rows=row_of), expected)
+            assert torch.equal(sum_pairs_triton(shuffled, expert_of, weight, k, weighted, rows=row_of), expected)
+
+
+def check_swiglu_pairs(pairs: int, inter: int, shares: int, seed: int, device: str = DEVICE) -> None:
+    """The activation between the experts' GEMMs against its reference: float32 partial sums over K
+    shares or one bf16 GEMM output, the weight applied or not, bf16 or float32 out; another rank's rows
+    (NaN, never written) left alone. Triton's exp is not torch's: within one step of the output dtype."""
+    from kernels.moe_pairs import swiglu_pairs_reference, swiglu_pairs_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    expert_of = torch.randint(-1, 4, (pairs,), generator=generator, device=device, dtype=torch.int32)
+    weight = torch.rand(pairs, generator=generator, device=device)
+    mine = expert_of >= 0
+    for partial in (torch.randn(shares, pairs, 2 * inter, generator=generator, device=device) * 4,
+                    (torch.randn(1, pairs, 2 * inter, generator=generator, device=device) * 4).to(torch.bfloat16)):
+        partial[:, ~mine] = float("nan")
+        for weighted in (True, False):
+            for dtype in (torch.bfloat16, torch.float32):
+                got = swiglu_pairs_triton(partial, expert_of, weight, 3.0, weighted, dtype=dtype)
+                want = swiglu_pairs_reference(partial, expert_of, weight, 3.0, weighted, dtype)
+                assert got.dtype == want.dtype == dtype and not want.isnan().any()
+                step = 2**-7 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(got[mine].float(), want[mine].float(), rtol=step, atol=step)
+
+
+def test_swiglu_pairs_kernel_equals_its_reference():
+    check_swiglu_pairs(pairs=7, inter=300, shares=3, seed=0)  # inter: a partial second block of 256
 
 
 def test_moe_pair_kernels_equal_their_references():
