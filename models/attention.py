@@ -9,7 +9,7 @@ are rotated back by the query position. Sliding layers use the `main` rope; comp
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -151,16 +151,14 @@ class Attention(nn.Module):
             return chunk_attention_in_place(q, self._chunk_keys(chunk, x, q_residual, kv, cache, cos, sin), self.sinks,
                                             scale)
         keys, bias = window_keys(chunk, kv, cache.window, self.window)
-        picked = None
+        picked = limited = None
         if self.kind == CSA:
             picked = self._picked_entries(chunk, x, q_residual, cache, cos, sin)
         elif self.kind == HCA:
-            entries, visible = self._all_entries(chunk, cache)
-            keys = torch.cat([keys, entries])
-            bias = torch.cat([bias, torch.zeros_like(visible, dtype=bias.dtype).masked_fill(~visible, float("-inf"))], 1)
+            limited = self._all_entries(chunk, cache)
         if batch_invariant_active():
-            return attend_per_query(q, keys, bias, picked, self.sinks, scale)
-        return attend_keys_and_picked(q, keys, bias, picked, self.sinks, scale)
+            return attend_per_query(q, keys, bias, picked, self.sinks, scale, limited)
+        return attend_in_row_tiles(q, keys, bias, picked, self.sinks, scale, limited)
 
     def _chunk_keys(
         self, chunk: SequenceChunk, x: torch.Tensor, q_residual: torch.Tensor, kv: torch.Tensor, cache: LayerCache,
@@ -192,14 +190,53 @@ class Attention(nn.Module):
             return None
         return paged_gather(cache.compressor.entries, chunk.pages, ids.clamp(min=0)), ids >= 0
 
-    def _all_entries(self, chunk: SequenceChunk, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """HCA: every entry of the sequence [entries, head_dim] and which each query sees [n, entries]."""
+    def _all_entries(self, chunk: SequenceChunk, cache: LayerCache) -> LimitedEntries:
+        """HCA: every entry of the sequence, each query seeing those closed at its position."""
         rate = self.compressor.rate
-        n_entries = chunk.end_position // rate
-        entries = paged_read(cache.compressor.entries, chunk.pages, n_entries)
+        entries = paged_read(cache.compressor.entries, chunk.pages, chunk.end_position // rate)
         positions = torch.arange(chunk.position, chunk.end_position, device=entries.device)
-        visible = torch.arange(n_entries, device=entries.device)[None, :] < ((positions + 1) // rate)[:, None]
-        return entries, visible
+        return LimitedEntries(entries, (positions + 1) // rate)
+
+
+@dataclass(frozen=True)
+class LimitedEntries:
+    """Entries every query of a chunk may attend (HCA's), query i only the first `limits[i]` of them:
+    [E, dim] and [n]. Kept apart from the window's keys and mask so that no [n, E] mask is built."""
+
+    entries: torch.Tensor
+    limits: torch.Tensor
+
+
+# the scores of one row tile of the torch path (heads x rows x keys, counted at 4 bytes): with the
+# softmax's temporaries beside them, a few times this is the path's workspace at any context
+ATTENTION_TILE_BYTES = 256 * 2**20
+
+
+def attend_in_row_tiles(
+    q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: torch.Tensor, scale: float, limited: LimitedEntries | None = None, tile_bytes: int = ATTENTION_TILE_BYTES,
+) -> torch.Tensor:
+    """`attend_keys_and_picked` with HCA's `limited` entries after the shared keys, over tiles of the
+    chunk's queries sized so that a tile's [heads, rows, keys] scores stay within `tile_bytes`: HCA's
+    entries grow with the context (8,192 at 1M tokens on V4-Flash), and whole, a 2,048-token chunk's
+    scores over them would be gigabytes the memory plan never saw (it profiles a chunk at position 0).
+    Each query's output depends only on its own row, so tiles change no result beyond rounding."""
+    n, heads, _ = q.shape
+    if limited is not None:
+        keys = torch.cat([keys, limited.entries])
+    width = keys.shape[0] + (picked[0].shape[1] if picked is not None else 0) + 1
+    rows = max(1, tile_bytes // (4 * heads * width))
+    out = []
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        tile_bias = bias[r0:r1]
+        if limited is not None:
+            hidden = torch.arange(limited.entries.shape[0], device=q.device)[None, :] >= limited.limits[r0:r1, None]
+            entry_bias = torch.zeros(hidden.shape, dtype=bias.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+            tile_bias = torch.cat([tile_bias, entry_bias], 1)
+        tile_picked = (picked[0][r0:r1], picked[1][r0:r1]) if picked is not None else None
+        out.append(attend_keys_and_picked(q[r0:r1], keys, tile_bias, tile_picked, sinks, scale))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def attend_keys_and_picked(
@@ -227,13 +264,16 @@ def attend_keys_and_picked(
 
 def attend_per_query(
     q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor] | None,
-    sinks: torch.Tensor, scale: float,
+    sinks: torch.Tensor, scale: float, limited: LimitedEntries | None = None,
 ) -> torch.Tensor:
-    """`attend_keys_and_picked` in deterministic mode: each query over exactly its visible shared keys
-    and valid picked entries (in pick order), batch-invariant."""
+    """`attend_keys_and_picked` in deterministic mode: each query over exactly its visible shared keys,
+    its `limited` entries and its valid picked entries (in pick order), batch-invariant."""
     out = []
+    limits = limited.limits.tolist() if limited is not None else None
     for i in range(q.shape[0]):
         own = keys[bias[i] == 0]
+        if limited is not None:
+            own = torch.cat([own, limited.entries[: limits[i]].to(own.dtype)])
         if picked is not None:
             own = torch.cat([own, picked[0][i][picked[1][i]].to(own.dtype)])
         out.append(attend_one_query(q[i], own, sinks, scale))
