@@ -124,6 +124,32 @@ def scores_per_query(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     return scores
 
 
+def topk_per_query(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int, *,
+    candidates: CandidateBlocks | None = None, allowed: tuple[torch.Tensor, int] | None = None,
+) -> IndexPick:
+    """Deterministic mode's `indexer_topk`: each query scored over exactly its visible keys
+    (`scores_per_query`) and its candidate blocks and top-k taken from that row alone, one query at a
+    time, so a query's pick does not depend on what shares its chunk and no [n, T] scores exist (a row
+    of T at a time; the chosen-blocks mask is the only result that grows with the context)."""
+    n, total = q.shape[0], keys.shape[0]
+    k = min(k, total)
+    if k == 0:
+        return IndexPick(None, None)
+    block = candidates.block_size if candidates else allowed[1] if allowed else 1
+    ids_out = torch.empty(n, k, dtype=torch.long, device=q.device)
+    blocks_out = torch.empty(n, -(-total // block), dtype=torch.bool, device=q.device) if candidates else None
+    for i in range(n):
+        row = scores_per_query(q[i : i + 1], weights[i : i + 1], keys, visible[i : i + 1])
+        if candidates:
+            blocks_out[i : i + 1] = choose_blocks(block_maxima(row, block), visible[i : i + 1], candidates)
+        elif allowed is not None:
+            row = row.masked_fill(~expand_blocks(allowed[0][i : i + 1], total, block), float("-inf"))
+        values, ids = stable_topk(row, k)
+        ids_out[i] = ids[0].masked_fill(values[0] == float("-inf"), -1)
+    return IndexPick(ids_out, blocks_out)
+
+
 def block_maxima(scores: torch.Tensor, block_size: int) -> torch.Tensor:
     """[n, ceil(T / block_size)]: each block's highest score (a partial last block padded with -inf)."""
     n, total = scores.shape

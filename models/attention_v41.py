@@ -17,7 +17,7 @@ from torch import nn
 from kernels import fake_quant_fp8_ue8m0
 from kernels.attention import chunk_attention_applies, chunk_attention_in_place
 from kernels.batch_invariant import batch_invariant_active
-from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, scores_per_query
+from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, topk_per_query
 from kernels.indexer import indexer_scores
 from models.attention import (
     add_attention_projections,
@@ -180,13 +180,15 @@ class SharedCompressedAttention(nn.Module):
         self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
         selection: ChunkSelection, allowed: torch.Tensor | None,
     ) -> None:
-        """`_select` in deterministic mode: whole score rows, each query over exactly its visible keys."""
-        scores = scores_per_query(q, head_weights, keys, visible)
+        """`_select` in deterministic mode: each query over exactly its visible keys, a query at a time."""
+        pick = topk_per_query(
+            q, head_weights, keys, visible, self.indexer.topk,
+            candidates=CandidateBlocks(self.block_size, self.top_blocks) if self.is_candidate_source else None,
+            allowed=(allowed, self.block_size) if allowed is not None and not self.is_candidate_source else None,
+        )
+        selection.topk = pick.ids
         if self.is_candidate_source:
-            selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
-        elif allowed is not None:
-            scores = scores.masked_fill(~expand_blocks(allowed, scores.shape[1], self.block_size), float("-inf"))
-        selection.topk = self.indexer.top(scores)
+            selection.candidate_blocks = pick.blocks
 
     def _select(
         self,

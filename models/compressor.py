@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import stable_topk
 from kernels.batch_invariant import batch_invariant_active
-from kernels.index_topk import indexer_topk, scores_per_query
+from kernels.index_topk import indexer_topk, topk_per_query
 from kernels.indexer import indexer_scores
 from kernels.pooler import combine_windows, pool_decode_applies, pool_decode_reference, pool_decode_triton
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
@@ -130,10 +130,9 @@ class Indexer(WindowPooler):
         q = apply_rope(q, cos, sin)  # the model's dtype: kernels/index_topk.py scores it with exact products
         keys = paged_read(cache.entries, chunk.pages, n_entries)
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
-        if not batch_invariant_active():  # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor
-            return indexer_topk(q, weights, keys, counts, self.topk).ids
-        values, ids = stable_topk(scores_per_query(q, weights, keys, counts), min(self.topk, n_entries))
-        return ids.masked_fill(values == float("-inf"), -1)
+        # in tiles (kernels/index_topk.py): no [queries, heads, entries] tensor; deterministic mode a query at a time
+        pick = topk_per_query if batch_invariant_active() else indexer_topk
+        return pick(q, weights, keys, counts, self.topk).ids
 
     def decode_select(
         self, x: torch.Tensor, q_residual: torch.Tensor, batch: DecodeBatch, cache: PoolerCache,

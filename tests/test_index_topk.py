@@ -98,3 +98,37 @@ def test_the_workspace_is_bounded_by_the_tile_at_any_context(total):
         outputs = {pick.ids.numel() * 8, 0 if pick.blocks is None else pick.blocks.numel()}
         assert seen.largest <= max(4 * tile_bytes, *outputs), (total, options, seen.largest)
     assert 64 * 4 * total * 4 > 4 * tile_bytes  # the whole rows' per-head tensor would not fit the bound
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_deterministic_picks_are_the_whole_rows_a_query_at_a_time(seed):
+    """Deterministic mode's top-k (`topk_per_query`): the same ids, in the same order with ties to the
+    lowest, and the same candidate blocks as whole score rows give, for a plain, a candidate and a
+    constrained source; no entries, no pick."""
+    from kernels.index_topk import topk_per_query
+
+    q, weights, keys, visible = integer_inputs(n=21, heads=3, dim=16, total=120, seed=seed)
+    rows = whole_rows(q, weights, keys, visible)
+    rule = CandidateBlocks(block_size=8, top_blocks=4)
+    chosen = choose_blocks(block_maxima(rows, 8), visible, rule)
+    for k in (1, 17, 300):
+        plain = topk_per_query(q, weights, keys, visible, k)
+        assert torch.equal(plain.ids, top_ids(rows, k)) and plain.blocks is None
+        source = topk_per_query(q, weights, keys, visible, k, candidates=rule)
+        assert torch.equal(source.ids, plain.ids) and torch.equal(source.blocks, chosen)
+        constrained = topk_per_query(q, weights, keys, visible, k, allowed=(chosen, 8))
+        assert torch.equal(constrained.ids, top_ids(rows.masked_fill(~expand_blocks(chosen, 120, 8), float("-inf")), k))
+    assert topk_per_query(q, weights, keys[:0], visible, 8).ids is None
+
+
+def test_deterministic_picks_hold_one_score_row_at_a_time():
+    """No [queries, entries] scores in deterministic mode either: 64 queries over 32K entries would be an
+    8 MiB float32 tensor; a query's row is 128 KiB (its sort's int64 indices twice that)."""
+    from kernels.index_topk import topk_per_query
+
+    q, weights, keys, visible = integer_inputs(n=64, heads=2, dim=8, total=32768, seed=6)
+    with LargestTensor() as seen:
+        pick = topk_per_query(q, weights, keys, visible, 16, candidates=CandidateBlocks(64, 4))
+    row = 32768 * 8
+    assert seen.largest <= max(row * 2, pick.blocks.numel(), keys.numel() * 4), seen.largest
+    assert 64 * 32768 * 4 > row * 2
