@@ -349,7 +349,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
         kv_cache_dtype=cache_dtype(config), kv_hot_tokens=hot_tokens(config),
         draft_tokens=config.runtime.draft_tokens, proposer=build_proposer_for(config, model),  # verify graphs, MTP cache
     )
-    workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens)
+    workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets
         workspace += probe.graphs.pool_bytes
     for buffer in (probe.logits, probe.last_logits):  # the runner's logits buffers

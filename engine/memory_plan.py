@@ -47,23 +47,36 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def profile_workspace(runner, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Peak bytes one largest step needs beyond its persistent buffers (runs it on the runner's cache)."""
-    vocab = runner.model.config.vocab_size
+def profile_plan(vocab: int, block: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None) -> StepPlan:
+    """The largest step the config allows: a prefill chunk of `max_num_batched_tokens` less a decode
+    token for each other sequence, every logits row kept, sampling with 20 logprobs. The prefill chunk
+    is the last one of a `max_model_len` prompt: there its attention reads the most compressed entries
+    a chunk can (HCA's every entry, the indexer's scores and top-k over all of them), workspace a chunk
+    at position 0 never shows. Its block table repeats the chunk's own pages for the positions before
+    it: the step is run for its memory, whatever those pages hold."""
     params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=20, prompt_logprobs=20, seed=0)
-    block = runner.cache.block_tokens
     prefill = max(1, max_num_batched_tokens - (max_num_seqs - 1))
+    deepest = max(0, (max_model_len or prefill) - prefill)
     chunks, next_page = [], 0
     for slot in range(max_num_seqs):
         length = prefill if slot == 0 else 1
-        pages = tuple(range(next_page, next_page + -(-length // block)))
-        next_page += len(pages)
+        position = deepest if slot == 0 else 0
+        own = -(-length // block) + (1 if position % block else 0)  # the pages the chunk's tokens land in
+        pages = tuple(next_page + j % own for j in range(-(-(position + length) // block)))
+        next_page += own
         tokens = tuple((7 * i + slot) % vocab for i in range(length))
         chunks.append(ScheduledChunk(
-            request_id=f"profile-{slot}", slot=slot, pages=pages, token_ids=tokens, position=0, sample=True,
+            request_id=f"profile-{slot}", slot=slot, pages=pages, token_ids=tokens, position=position, sample=True,
             logprob_targets=tokens[1:], params=params, num_generated=0,
         ))
-    plan = StepPlan(chunks=tuple(chunks))
+    return StepPlan(chunks=tuple(chunks))
+
+
+def profile_workspace(runner, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None) -> int:
+    """Peak bytes `profile_plan`'s step needs beyond the runner's persistent buffers (run on its cache)."""
+    plan = profile_plan(runner.model.config.vocab_size, runner.cache.block_tokens, max_num_seqs,
+                        max_num_batched_tokens, max_model_len)
     if runner.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -77,8 +90,8 @@ def profile_workspace(runner, max_num_seqs: int, max_num_batched_tokens: int) ->
 
 
 def profile_pages(max_num_seqs: int, max_num_batched_tokens: int, block_tokens: int) -> int:
-    """Pages the profiling step itself writes into."""
-    return -(-max_num_batched_tokens // block_tokens) + max_num_seqs
+    """Pages the profiling step itself writes into (its prefill chunk may straddle one more page)."""
+    return -(-max_num_batched_tokens // block_tokens) + 1 + max_num_seqs
 
 
 def budget_bytes(device: str, gpu_memory_utilization: float, host_memory_gb: float) -> int:
