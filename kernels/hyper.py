@@ -190,17 +190,18 @@ def hc_site_triton(
     width = n * dim
     device = streams.device
     partial = torch.empty(tokens, SITE_SPLITS, (2 + n) * n + 1, dtype=torch.float32, device=device)
+    fn = fn.float().contiguous()
     if tokens >= PROJECT_TILE_MIN_TOKENS:
         per_split = -(-width // (SITE_SPLITS * PROJECT_TILE_BLOCK)) * PROJECT_TILE_BLOCK
         _hc_project_tiles_kernel[(triton.cdiv(tokens, PROJECT_TILE_TOKENS), SITE_SPLITS)](
-            streams, fn.float().contiguous(), partial, tokens, width, per_split, N=n,
+            streams, fn, partial, tokens, width, per_split, N=n,
             OUTPUTS=max(16, triton.next_power_of_2((2 + n) * n)), BLOCK_T=PROJECT_TILE_TOKENS,
             BLOCK=PROJECT_TILE_BLOCK, num_warps=4,
         )
     else:
         per_split = -(-width // (SITE_SPLITS * SITE_BLOCK)) * SITE_BLOCK
         _hc_project_kernel[(tokens, SITE_SPLITS)](
-            streams, fn.float().contiguous(), partial, width, per_split, N=n, BLOCK=SITE_BLOCK, num_warps=8
+            streams, fn, partial, width, per_split, N=n, BLOCK=SITE_BLOCK, num_warps=8
         )
     pre = torch.empty(tokens, n, dtype=torch.float32, device=device)
     post, comb = torch.empty_like(pre), torch.empty(tokens, n, n, dtype=torch.float32, device=device)

@@ -98,7 +98,6 @@ def route_triton(
     if config.splits & (config.splits - 1):
         raise ValueError(f"{config.splits} shares of the hidden channels: a power of two")
     x, weight = x.contiguous(), weight.contiguous()
-    per_share = triton.cdiv(triton.cdiv(dim, config.k_block), config.splits) * config.k_block
     logits = torch.empty(tokens, config.splits, experts, dtype=torch.float32, device=x.device)
     if tokens >= TILE_MIN_TOKENS:
         per_share = triton.cdiv(triton.cdiv(dim, TILE_K), config.splits) * TILE_K
@@ -108,6 +107,7 @@ def route_triton(
             num_warps=4,
         )
     else:
+        per_share = triton.cdiv(triton.cdiv(dim, config.k_block), config.splits) * config.k_block
         _router_logits_kernel[(tokens, triton.cdiv(experts, config.expert_block), config.splits)](
             x, weight, logits, experts, dim, per_share // config.k_block, BLOCK_E=config.expert_block,
             BLOCK_K=config.k_block, num_warps=config.warps,

@@ -224,6 +224,7 @@ def attend_in_row_tiles(
     n, heads, _ = q.shape
     if limited is not None:
         keys = torch.cat([keys, limited.entries])
+        entry_ids = torch.arange(limited.entries.shape[0], device=q.device)
     width = keys.shape[0] + (picked[0].shape[1] if picked is not None else 0) + 1
     rows = max(1, tile_bytes // (4 * heads * width))
     out = []
@@ -231,7 +232,7 @@ def attend_in_row_tiles(
         r1 = min(n, r0 + rows)
         tile_bias = bias[r0:r1]
         if limited is not None:
-            hidden = torch.arange(limited.entries.shape[0], device=q.device)[None, :] >= limited.limits[r0:r1, None]
+            hidden = entry_ids[None, :] >= limited.limits[r0:r1, None]
             entry_bias = torch.zeros(hidden.shape, dtype=bias.dtype, device=q.device).masked_fill(hidden, float("-inf"))
             tile_bias = torch.cat([tile_bias, entry_bias], 1)
         tile_picked = (picked[0][r0:r1], picked[1][r0:r1]) if picked is not None else None
