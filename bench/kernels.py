@@ -10,6 +10,10 @@ it replaces, so a dispatch threshold is a measured choice.
   tensor-core kernels of kernels/moe_mxfp4.py (decode: `by_expert`, scanning; prefill: `sorted`, and
   the reference's dequantizing loop), each with every upcast of `UPCASTS` (`dot_scaled`, the bit
   decode, the PTX decode) over a sweep of block shapes; bytes are the distinct experts' packed bytes.
+- moe_mxfp4_fp8: the same layer laid out as the server holds it (kernels/mma_layout.py) at prefill
+  sizes: the bf16-activation sorted kernels (their dispatched tiles) beside kernels/moe_mxfp4_fp8.py's
+  FP8-activation ones over a sweep of tiles, with useful TFLOP/s and each path's relative error (norm)
+  against the bf16 path's result (the FP8 path's rounding, not a bug: its exactness is tests/'s job).
 - mxfp4_decode: the scanning kernels' tiles, pipelining depths and K shares for 1..32 tokens (the
   defaults DECODE_BLOCKS / DECODE_SPLITS come from its `.best` lines), bytes/s against the copy bandwidth.
 - router: the router's logits grid (LOGITS_CONFIG comes from its `.best` lines).
@@ -30,7 +34,9 @@ from bench.fp8_linear import time_graph
 from bench.slice_roofline import timed_ms
 from kernels.attention import decode_attention_reference, decode_attention_triton
 from kernels.moe import MXFP4Experts, experts_grouped, experts_pairwise, experts_reference
+from kernels.mma_layout import from_released
 from kernels.moe_mxfp4 import UPCASTS, Tile, decode_splits, experts_by_expert, experts_sorted
+from kernels.moe_mxfp4_fp8 import STEP, experts_sorted_fp8
 from kernels.quant import quantize_mxfp4
 from kernels.router import LOGITS_CONFIG, LogitsConfig, route_triton
 
@@ -222,7 +228,48 @@ def bench_attention(repeats: int) -> None:
             print(json.dumps({"bench": "kernels.attention", "path": name, "batch": batch, "keys": n_keys, "ms": ms}), flush=True)
 
 
+# tiles tried, K steps of STEP: (pairs, rows, warps, stages, register cap or None); the bf16 path's too,
+# capped (its 64 x 64 tile takes 232 registers a thread: 2 programs an SM)
+FP8_TILES = ((64, 64, 4, 3, None), (64, 64, 4, 3, 168), (64, 64, 4, 3, 128), (64, 64, 4, 4, 128),
+             (128, 128, 8, 4, None), (128, 128, 8, 4, 168), (128, 128, 8, 3, 128), (64, 128, 4, 3, 128))
+BF16_TILES = ((64, 64, 4, 3, 168), (64, 64, 4, 3, 128), (128, 128, 8, 4, 168), (128, 128, 8, 4, 128))
+
+
+def bench_moe_mxfp4_fp8(repeats: int) -> None:
+    generator = torch.Generator("cuda").manual_seed(3)
+    experts_total, dim, inter, top_k = 256, 4096, 2048, 6
+    released = _mxfp4_layer(generator, experts_total, dim, inter)
+    gate_up, down = (from_released(w.codes, w.scales) for w in released)
+    del released
+    torch.cuda.empty_cache()
+    for tokens in (2048, 4096, 8192):
+        x = torch.randn(tokens, dim, device="cuda", generator=generator).bfloat16()
+        experts = torch.rand(tokens, experts_total, device="cuda", generator=generator).topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, device="cuda", generator=generator)
+        args = (x, weights, experts, gate_up, down, 0, 10.0, False)
+        flops = 2 * tokens * top_k * 3 * dim * inter
+        want = experts_sorted(*args)
+        runs = [("sorted_bf16", None, lambda: experts_sorted(*args))]
+        for path, run, tiles in (("sorted_bf16", experts_sorted, BF16_TILES), ("sorted_fp8", experts_sorted_fp8, FP8_TILES)):
+            for m, n, warps, stages, registers in tiles:
+                tile = Tile(m, n, STEP, warps, stages, registers)
+                blocks = {"gate_up": tile, "down": tile}
+                runs.append((path, tile, lambda blocks=blocks, run=run: run(*args, blocks=blocks)))
+        for name, tile, fn in runs:
+            try:
+                got = fn()
+                error = float((got - want).norm() / want.norm())
+                ms = median_ms(fn, 10)
+            except Exception as exc:  # a tile the compiler refuses: reported, the sweep goes on
+                print(json.dumps({"bench": "kernels.moe_mxfp4_fp8", "path": name, "tokens": tokens, "tile": tile,
+                                  "failed": repr(exc)[:300]}), flush=True)
+                continue
+            print(json.dumps({"bench": "kernels.moe_mxfp4_fp8", "path": name, "tokens": tokens, "tile": tile,
+                              "ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_bf16": error}), flush=True)
+
+
 BENCHES = {"moe": (bench_moe, sweep_pairwise_blocks), "moe_mxfp4": (bench_moe_mxfp4,),
+           "moe_mxfp4_fp8": (bench_moe_mxfp4_fp8,),
            "mxfp4_decode": (sweep_mxfp4_decode,), "router": (sweep_router,), "attention": (bench_attention,)}
 
 

@@ -9,11 +9,14 @@ built in device memory (no checkpoint), each figure beside the ceiling it is jud
     python -m bench.slice families [--concurrency 1 8 32] [--steps 32] [--repeats 20]
     python -m bench.slice verify [--concurrency 1 8 32] [--draft-tokens 1 2 3 4 5 6 7] [--steps 32]
     common: [--config configs/models/DeepSeek-V4-Flash/config.json] [--layers 4] [--device cuda|cpu]
-            [--dtype bfloat16] [--weights bf16|released] [--seed 0] [--copy-mib 4096] [--gemm-n 8192]
+            [--dtype bfloat16] [--weights bf16|released] [--prefill-activations model|fp8] [--seed 0]
+            [--copy-mib 4096] [--gemm-n 8192]
 
 `--weights released` puts the slice in the release's formats before the run (MXFP4 routed experts,
 FP8 attention projections and shared expert: models/random_model.quantize_as_released), as
 `model.quantization: checkpoint` serves them; bytes read per step and the roofline count them so.
+`--prefill-activations fp8` (with released weights) prefills as `model.prefill_activations: fp8` does
+(e4m3 activations for the MXFP4 experts and the FP8 linears).
 
 Every command first prints its `slice.model` line (parameter bytes; bytes and parameters a token
 activates: attention, shared expert, top-k experts, embedding row, head), then `slice.copy` (device-to-
@@ -101,6 +104,7 @@ from bench.slice_roofline import (
 from contract import StepPlan
 from engine.memory_plan import model_bytes
 from models import ForwardBatch, ModelConfig
+from models.layers import prefill_in_fp8
 from models.random_model import build_random_model, quantize_as_released
 from worker import ModelRunner
 
@@ -133,6 +137,10 @@ def build_slice(args: argparse.Namespace) -> tuple[dict[str, Any], torch.nn.Modu
         quantize_as_released(model)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if args.prefill_activations == "fp8":
+        if args.weights != "released":
+            raise SystemExit("--prefill-activations fp8 feeds the released formats' kernels: add --weights released")
+        prefill_in_fp8(model)
     return raw, model
 
 
@@ -142,6 +150,7 @@ def run_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"device": machine, "commit": commit, "dtype": args.dtype, "config": str(args.config), "layers": args.layers}
     if hasattr(args, "weights"):  # bench.long_context shares these fields and has no --weights
         fields["weights"] = args.weights
+        fields["prefill_activations"] = args.prefill_activations
     return fields
 
 
@@ -492,6 +501,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--weights", default="bf16", choices=["bf16", "released"],
                         help="released: MXFP4 experts and FP8 linears kept packed, as model.quantization: checkpoint")
+    parser.add_argument("--prefill-activations", default="model", choices=["model", "fp8"],
+                        help="fp8: prefill chunks round activations to e4m3 for the released kernels "
+                             "(model.prefill_activations; needs --weights released)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--copy-mib", type=int, default=None, help="copy buffer (default 4096 on cuda, 64 on cpu)")
     parser.add_argument("--gemm-n", type=int, default=None, help="GEMM size (default 8192 on cuda, 256 on cpu)")

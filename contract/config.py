@@ -42,6 +42,12 @@ class ModelSection(Section):
     # weights kept as the checkpoint stores them (the GPU fast path, issue 8: `plan` counts them so, serving
     # refuses it until then)
     quantization: Literal["none", "checkpoint"] = "none"
+    # model: activations in `dtype` everywhere (the checkpoint's function, as transformers computes it). fp8
+    # (needs quantization: checkpoint): prefill chunks round them to e4m3 per 1 x 128 (a float32 scale each)
+    # for the MXFP4 routed experts and the 128-block FP8 linears, which then run on FP8 tensor cores, as
+    # DeepSeek's own inference runs the release (~2-3% relative rounding per product); decode steps keep
+    # `dtype`. Deterministic mode refuses it (its batch-invariant kernels compute in `dtype`)
+    prefill_activations: Literal["model", "fp8"] = "model"
     # auto: the checkpoint's *.safetensors. dummy (vLLM's --load-format dummy): seeded random weights at
     # config.json's dims, drawn on the device (models/dummy_weights.py), so a directory with config.json
     # (and a tokenizer) is enough; held as `quantization` says (checkpoint: the release's MXFP4 experts and
@@ -58,6 +64,13 @@ class ModelSection(Section):
     @classmethod
     def _one_name(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fp8_needs_released_weights(self) -> "ModelSection":
+        if self.prefill_activations == "fp8" and self.quantization != "checkpoint":
+            raise ValueError("prefill_activations: fp8 needs quantization: checkpoint (the FP8 activations feed the "
+                             "released FP8 / MXFP4 weights' tensor-core kernels)")
+        return self
 
     @field_validator("max_model_len", mode="before")
     @classmethod
@@ -294,6 +307,13 @@ class ServeConfig(Section):
     metrics: MetricsSection = MetricsSection()
     offload: OffloadSection = OffloadSection()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
+
+    @model_validator(mode="after")
+    def _fp8_prefill_is_not_deterministic(self) -> "ServeConfig":
+        if self.model.prefill_activations == "fp8" and self.runtime.deterministic:
+            raise ValueError("model.prefill_activations: fp8 and runtime.deterministic: the batch-invariant kernels "
+                             "compute in the model dtype; choose one")
+        return self
 
     @property
     def model_dir(self) -> Path:

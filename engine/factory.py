@@ -55,6 +55,7 @@ from models.cache import page_granularity, stored_kv_cache_dtype
 from models.dspark import attach_dspark
 from models.dummy_weights import build_dummy_model
 from models.expert_offload import LayerOffload
+from models.layers import prefill_in_fp8
 from scheduler import Scheduler
 from scheduler.prefix_tiers import DiskEntry
 from worker.proposers import DraftProposer, build_proposer
@@ -110,6 +111,7 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     check_speculative(config, model_config)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
+    check_fp8_prefill(config, device, dtype)
     records = prefix_records(config, model_config, dtype, max_len)
     tiers = prefix_tiers(config, records)
     disk = read_disk_catalog(config, model_config, records, dtype) if tiers.disk else None
@@ -161,6 +163,20 @@ def check_tokenizer(config: "ServeConfig", model_config: ModelConfig) -> None:
             f" tokenizer with --tokenizer DIR (model.tokenizer), or copy its {TOKENIZER} into {config.model_dir}")
     log.info("model.load_format dummy: %s has no %s; using the embedded default's (%s)", config.model_dir,
              TOKENIZER, DEFAULT_MODEL_DIR)
+
+
+def check_fp8_prefill(config: "ServeConfig", device: str, dtype: torch.dtype) -> None:
+    """model.prefill_activations fp8 rounds bf16 activations to e4m3 for tensor cores that multiply it: a
+    bf16 model on a GPU that has them (sm_89 on), or the key would do nothing."""
+    if config.model.prefill_activations != "fp8":
+        return
+    if not str(device).startswith("cuda") or torch.cuda.get_device_capability(device) < (8, 9):
+        raise EngineConfigError(
+            f"model.prefill_activations fp8 needs an NVIDIA GPU with FP8 tensor cores (sm_89 or later); this engine "
+            f"runs on {device}: set it to model (the default)")
+    if dtype != torch.bfloat16:
+        raise EngineConfigError(f"model.prefill_activations fp8 rounds bf16 activations; model.dtype is {dtype}: "
+                                "set it to bfloat16 (or auto)")
 
 
 def check_block_tokens(config: "ServeConfig", model_config: ModelConfig) -> None:
@@ -333,6 +349,8 @@ def load_weights(config: "ServeConfig", dtype: torch.dtype, device: str, options
     speculative = config.runtime.speculative_config
     if speculative is not None and speculative.method == "dspark":  # after the offload: its experts stay resident
         attach_dspark(model, Path(speculative.model), tp, keep_quantized=held_as_stored)
+    if config.model.prefill_activations == "fp8":
+        log.info("prefill activations in fp8: %d modules (routed experts, FP8 linears)", prefill_in_fp8(model))
     return model
 
 

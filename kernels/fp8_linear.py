@@ -23,7 +23,7 @@ scales, measured slower at every V4 shape: BENCHMARKS.md, nineteenth session.)
   W in x's dtype, bitwise the reference's, then cuBLAS; on the H200 this beat the split-K kernel above
   32 rows (128 blocks) / 16 (32 blocks) and the torch dequantization by 1.4-2.3x (bench/fp8_linear.py;
   BENCHMARKS.md has the table).
-- `fp8_linear_scaled_mm` (opt-in, FP8_ACTIVATIONS): FP8 tensor cores through torch's blockwise scaled
+- `fp8_linear_scaled_mm` (opt-in, `fp8_activations`: `model.prefill_activations: fp8`): FP8 tensor cores through torch's blockwise scaled
   matmul, x quantized per 1 x 128 group; 128 x 128 blocks only (torch has no 32 x 32 recipe on sm90).
 - `fp8_linear_tc` / `fp8_linear_w8a8`: Triton tensor-core tiles (W decoded in registers / fp8 x fp8,
   any block size), tested but not dispatched: measured slower than the paths above (BENCHMARKS.md).
@@ -80,24 +80,24 @@ SUM_BLOCK = 1024  # output elements per program of the kernel that adds the K sh
 # on all four V4-Flash shapes and loses at 256; with 32 blocks, once stepped 128 of K at a time, split-K
 # takes 77 us at 32 rows over the three V4.1-Flash shapes against the dequant path's 152).
 TRITON_MAX_ROWS = {128: 32, 32: 32}
-# Opt-in: x quantized to e4m3 per 1 x 128 group (the release's dynamic activations) and torch's blockwise
-# FP8 GEMM (cuBLASLt, sm90, CUDA >= 12.9) above SCALED_MM_MIN_ROWS rows, 128 x 128 blocks only. Not the
-# reference's function (~2.5% relative error from e4m3's rounding of x), so off unless set.
-FP8_ACTIVATIONS = False
+# With fp8_activations (opt-in): x quantized to e4m3 per 1 x 128 group (the release's dynamic activations)
+# and torch's blockwise FP8 GEMM (cuBLASLt, sm90, CUDA >= 12.9) from SCALED_MM_MIN_ROWS rows, 128 x 128
+# blocks only. Not the reference's function (~2.5% relative error from e4m3's rounding of x).
 SCALED_MM_MIN_ROWS = 256
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK,
+               fp8_activations: bool = False) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / float32), weight [N, K] fp8, scale [ceil(N / block), ceil(K / block)]
     float32 -> [..., N] in x's dtype. GPU: the split-K kernel for decode-sized x (<= TRITON_MAX_ROWS[block]
     rows), else W dequantized by a Triton pass (bitwise the reference's) and cuBLAS, or with
-    FP8_ACTIVATIONS torch's blockwise FP8 GEMM; the reference elsewhere."""
+    `fp8_activations` from SCALED_MM_MIN_ROWS rows torch's blockwise FP8 GEMM; the reference elsewhere."""
     rows = x.numel() // x.shape[-1]
     if triton is None or not x.is_cuda:
         return fp8_linear_reference(x, weight, scale, block)
     if rows <= TRITON_MAX_ROWS.get(block, 16):
         return fp8_linear_triton(x, weight, scale, block)
-    if FP8_ACTIVATIONS and rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, weight, block):
+    if fp8_activations and rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, weight, block):
         return fp8_linear_scaled_mm(x, weight, scale, block)
     return fp8_linear_dequant(x, weight, scale, block)
 

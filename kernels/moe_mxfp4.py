@@ -62,7 +62,9 @@ SCAN_CHUNK = 256
 class Tile(NamedTuple):
     """One GEMM's program: pairs x output rows x K step, warps, and software-pipelining depth (Triton's
     num_stages: how many K steps of codes, scales and activations are in flight through shared memory
-    while one is multiplied; 3 is Triton's default on CUDA). A plain 4-tuple is a Tile of 3 stages.
+    while one is multiplied; 3 is Triton's default on CUDA), and a register cap a thread (Triton's maxnreg;
+    None: the compiler's choice; a lower cap lets more programs share an SM, at the risk of spills). A
+    plain 4-tuple is a Tile of 3 stages.
     (W x a^T, the decoded weights as wgmma's register operand, measured 25-45% slower: BENCHMARKS.md,
     fourteenth session.)"""
 
@@ -71,6 +73,15 @@ class Tile(NamedTuple):
     block_k: int
     warps: int
     stages: int = 3
+    max_registers: int | None = None
+
+    @property
+    def launch(self) -> dict[str, int]:
+        """Triton's launch options for this tile."""
+        options = {"num_warps": self.warps, "num_stages": self.stages}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 # Tile per GEMM and the upcast, from bench.kernels' moe_mxfp4 sweep on the H200 (BENCHMARKS.md): the PTX
@@ -149,11 +160,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _checked(upcast: str | None) -> str:
+def _checked(upcast: str | None, upcasts: tuple[str, ...] = UPCASTS, interpreted: str = "bits") -> str:
+    """`upcast`, one of `upcasts` (None: "ptx", or `interpreted` in Triton's interpreter)."""
     if upcast is None:
-        return "bits" if _interpreting() else "ptx"
-    if upcast not in UPCASTS:
-        raise ValueError(f"upcast {upcast!r}: one of {UPCASTS}")
+        return interpreted if _interpreting() else "ptx"
+    if upcast not in upcasts:
+        raise ValueError(f"upcast {upcast!r}: one of {upcasts}")
     if upcast == "ptx" and _interpreting():
         raise ValueError("Triton's interpreter runs no inline PTX: upcast 'ptx' needs the GPU")
     return upcast
@@ -233,7 +245,7 @@ def _run(
         x, *tables, gate_up.codes, gate_up.scales, partial, hidden, partial if counters is None else counters, pairs,
         k, dim, inter, share_steps, limit, weight_before_down, SPLIT=shares > 1, LAST_SUMS=counters is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.warps, num_stages=tile.stages, **shared,
+        **tile.launch, **shared,
     )
     if shares > 1 and counters is None:
         swiglu_pairs_triton(partial, expert_of, weight, limit, weight_before_down, out=hidden)
@@ -242,8 +254,7 @@ def _run(
     out = torch.empty(shares, pairs, dim, dtype=torch.float32, device=x.device)  # other ranks' rows stay unread
     _down_kernel[(table.programs, triton.cdiv(dim, tile.block_n), shares)](
         hidden, *tables, down.codes, down.scales, out, pairs, dim, inter, share_steps,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
-        num_stages=tile.stages, **shared,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **tile.launch, **shared,
     )
     return sum_pairs(out, expert_of, weight, k, weight_before_down, residual)
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from contract import ExpertOffloadStats
 from kernels.moe import ExpertWeights, MXFP4Experts, plus_residual
+from models.layers import TakesFp8Prefill
 from models.moe import Experts, MoE, run_experts
 
 
@@ -75,7 +76,7 @@ def expert_bytes(weights: ExpertWeights) -> int:
     return sum(t[0].numel() * t.element_size() for t in _tensors(weights))
 
 
-class OffloadedExperts(nn.Module):
+class OffloadedExperts(nn.Module, TakesFp8Prefill):
     """`Experts`' contract (forward) over experts split between the device and host RAM (module
     docstring). `resident`: how many stay on the device (the first ones by `order`, default by id);
     `staging`: device slots for host experts. A step routed to more host experts than that (a long
@@ -162,7 +163,8 @@ class OffloadedExperts(nn.Module):
             table = torch.tensor(slots, dtype=experts.dtype, device=experts.device)
             mapped = torch.where(mine, table[local.clamp(0, self.held - 1)], outside)
             part = run_experts(x, weights, mapped, self.device_stack["gate_up_proj"], self.device_stack["down_proj"],
-                               0, self.limit, self.weight_before_down, residual if len(waves) == 1 else None)
+                               0, self.limit, self.weight_before_down, residual if len(waves) == 1 else None,
+                               fp8_prefill=self.fp8_prefill)
             total = part if total is None else total + part
         return total if len(waves) == 1 else plus_residual(total, residual)
 

@@ -41,7 +41,25 @@ class GroupedLinear(nn.Module):
         return grouped_product(x, self.weight, self.groups)
 
 
-class Fp8Linear(nn.Module):
+class TakesFp8Prefill:
+    """A module that can take e4m3 activations for prefill-sized inputs (`fp8_prefill`, off unless
+    `prefill_in_fp8` turns it on): FP8 linears and routed experts."""
+
+    fp8_prefill: bool = False
+
+
+def prefill_in_fp8(model: nn.Module) -> int:
+    """`model.prefill_activations: fp8`: every module of `model` that can (TakesFp8Prefill: routed
+    experts, drafts' included, through kernels/moe_mxfp4_fp8.py; FP8 linears of 128 blocks through
+    kernels/fp8_linear.py's scaled-mm path) takes e4m3 activations for prefill-sized inputs, as
+    DeepSeek's own inference runs the release; decode keeps the model dtype. How many were switched."""
+    switched = [module for module in model.modules() if isinstance(module, TakesFp8Prefill)]
+    for module in switched:
+        module.fp8_prefill = True
+    return len(switched)
+
+
+class Fp8Linear(nn.Module, TakesFp8Prefill):
     """A linear layer (no bias) whose weight stays as released, float8_e4m3fn values with one float32
     scale per `block` x `block` tile (`model.quantization: checkpoint`): the loader puts it where an
     nn.Linear or a GroupedLinear (`groups` > 1; `in_features` one group's width) stood and the checkpoint
@@ -56,7 +74,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups > 1:
             return fp8_grouped_linear(x, self.weight, self.weight_scale, self.groups, self.block)
-        return fp8_linear(x, self.weight, self.weight_scale, self.block)
+        return fp8_linear(x, self.weight, self.weight_scale, self.block, fp8_activations=self.fp8_prefill)
 
 
 def project_pair(x: torch.Tensor, first: nn.Module, second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

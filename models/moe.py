@@ -32,7 +32,7 @@ from kernels.mma_layout import MXFP4MMAExperts, mma_layout, small_scales
 from kernels.moe_mxfp4_mma import supported
 from kernels.router import SCORE_FUNCTIONS, route
 from models.config import HASH_MOE, ModelConfig
-from models.layers import project_pair
+from models.layers import TakesFp8Prefill, project_pair
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
@@ -74,7 +74,7 @@ def lay_out_experts_for_mma(model: nn.Module) -> int:
     return sum(module.lay_out_for_mma() for module in model.modules() if isinstance(module, Experts))
 
 
-class Experts(nn.Module):
+class Experts(nn.Module, TakesFp8Prefill):
     """Routed experts stored as [E, 2I, D] (gate rows then up rows) and [E, D, I]; this rank's run of
     them (experts [first, first + held)) under tensor parallelism."""
 
@@ -133,18 +133,21 @@ class Experts(nn.Module):
         """The weighted sum of this rank's experts for every token (zero where it chose none of them) in
         float32, or with `residual` added in its dtype (`run_experts`)."""
         return run_experts(x, weights, experts, self.weights("gate_up_proj"), self.weights("down_proj"), self.first,
-                           self.limit, self.weight_before_down, residual)
+                           self.limit, self.weight_before_down, residual, fp8_prefill=self.fp8_prefill)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: ExpertWeights,
                 down: ExpertWeights, first: int, limit: float, weight_before_down: bool,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, fp8_prefill: bool = False) -> torch.Tensor:
     """kernels/moe.py's experts contract on the path this device and mode take: Triton or grouped GEMMs
-    on the GPU (no host sync, capturable), the reference loop on the CPU and in deterministic mode
-    (whose batch-invariant GEMMs it goes through)."""
-    use_grouped = x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active()
-    run = experts_on_device if use_grouped else experts_reference
-    return run(x, weights, experts, gate_up, down, first, limit, weight_before_down, residual)
+    on the GPU (no host sync, capturable; prefill chunks of MXFP4 experts with FP8 activations where
+    `fp8_prefill`), the reference loop on the CPU and in deterministic mode (whose batch-invariant GEMMs
+    it goes through)."""
+    if x.is_cuda and grouped_mm_supported(x) and not batch_invariant_active():
+        return experts_on_device(x, weights, experts, gate_up, down, first, limit, weight_before_down, residual,
+                                 fp8_prefill=fp8_prefill)
+    return experts_reference(x, weights, experts, gate_up, down, first, limit, weight_before_down, residual)
+
 
 
 class SharedExpert(nn.Module):

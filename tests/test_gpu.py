@@ -586,18 +586,17 @@ def test_fp8_linear_large_m_dispatch_is_bitwise_the_reference(block):
     check_fp8_dequant(n=4096, k=8192, block=block, seed=12, device="cuda", rows=2048)
 
 
-def test_fp8_linear_scaled_mm_opt_in_equals_its_reference(monkeypatch):
-    """FP8_ACTIVATIONS: torch's blockwise FP8 GEMM (x per 1 x 128 group) through fp8_linear, within
+def test_fp8_linear_scaled_mm_opt_in_equals_its_reference():
+    """fp8_activations: torch's blockwise FP8 GEMM (x per 1 x 128 group) through fp8_linear, within
     float32 summation order of fp8_linear_w8a8_reference and e4m3's rounding of the bf16 reference."""
     import kernels.fp8_linear as fp8
     from kernels.quant import quantize_fp8_blocks
 
-    monkeypatch.setattr(fp8, "FP8_ACTIVATIONS", True)
     generator = torch.Generator("cuda").manual_seed(13)
     for rows, n, k in ((300, 1024, 1024), (2049, 4096, 8192)):
         weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=generator, device="cuda"))
         x = (torch.randn(rows, k, generator=generator, device="cuda") * 3).bfloat16()
-        got = fp8.fp8_linear(x, weight, scale)
+        got = fp8.fp8_linear(x, weight, scale, fp8_activations=True)
         assert got.shape == (rows, n) and bool(torch.isfinite(got).all())
         torch.testing.assert_close(got.float(), fp8.fp8_linear_w8a8_reference(x, weight, scale).float(),
                                    rtol=2e-2, atol=2e-2 * k**0.5)
@@ -665,6 +664,67 @@ def test_mxfp4_ptx_experts_compiled_equal_the_reference(tokens):
                                          upcasts=("ptx",), splits=(None,), mma_layout=True)
     check_experts_mxfp4_tensor_cores(tokens, seed=tokens, device="cuda", dim=4096, inter=2048, blocks=DECODE_BLOCKS,
                                      upcasts=("ptx",))
+
+
+@pytest.mark.parametrize("mma_layout", [False, True])
+def test_fp8_experts_compiled_equal_their_reference(mma_layout):
+    """kernels/moe_mxfp4_fp8.py compiled with both upcasts and the tiles it dispatches, scale groups
+    up to 12 binades under their step's top (so the e4m3 rounding below 8 binades is exercised)."""
+    from kernels.moe_mxfp4_fp8 import FP8_BLOCKS
+    from tests.test_moe_mxfp4_fp8 import SMALL_BLOCKS, check_experts_fp8
+
+    for blocks in (SMALL_BLOCKS, FP8_BLOCKS):
+        check_experts_fp8(tokens=70, seed=5, device="cuda", blocks=blocks, upcasts=("lut", "ptx"), mma_layout=mma_layout)
+
+
+def test_fp8_experts_ptx_upcast_is_the_table_bitwise():
+    """The PTX decode (f16 placement, a multiply, cvt.rn.satfinite) gives the table's e4m3 bits for every
+    code at every shift, the shifts past the table's last row included (scale groups up to 20 binades
+    under their step's top): the hidden rows and down's outputs are the same bits."""
+    from kernels.mma_layout import from_released
+    from kernels.moe_mxfp4 import Tile
+    from kernels.moe_mxfp4_fp8 import FP8_BLOCKS, SortedPairs, fp8_down, fp8_hidden
+    from tests.test_moe_mxfp4_fp8 import random_experts
+
+    generator = torch.Generator("cuda").manual_seed(6)
+    x = torch.randn(300, 512, generator=generator, device="cuda").bfloat16()
+    experts = torch.randint(0, 4, (300, 6), generator=generator, device="cuda")
+    weights = torch.rand(300, 6, generator=generator, device="cuda")
+    gate_up, down = (from_released(w.codes, w.scales) for w in random_experts(generator, 512, 256, 20, "cuda"))
+    tiles = [Tile(*FP8_BLOCKS[g]) for g in ("gate_up", "down")]
+    pairs = SortedPairs.build(experts, weights, 0, 4, tiles[0].block_m)
+    hidden = {u: fp8_hidden(x, pairs, gate_up, 7.0, False, tiles[0], u) for u in ("lut", "ptx")}
+    assert torch.equal(hidden["lut"], hidden["ptx"])
+    assert torch.equal(fp8_down(hidden["lut"], pairs, down, tiles[1], "lut"), fp8_down(hidden["lut"], pairs, down, tiles[1], "ptx"))
+
+
+def test_fp8_prefill_moe_layer_rounds_only_its_activations():
+    """A released V4-Flash-dims MoE layer (MXFP4 experts in the CUDA kernel's layout, FP8 shared expert) on
+    a 512-token chunk (3,072 pairs: the sorted kernels) with `prefill_in_fp8` against the same layer
+    without: the e4m3 path is taken (the outputs differ) and computes the same function (within e4m3's
+    rounding of the activations); a decode-sized step is untouched (bitwise)."""
+    from bench.slice import FLASH_CONFIG, slice_config
+    from models import ModelConfig
+    from models.layers import prefill_in_fp8
+    from models.moe import lay_out_experts_for_mma
+    from models.random_model import build_random_model, quantize_as_released
+
+    model = build_random_model(ModelConfig.from_dict(slice_config(FLASH_CONFIG, 1)), torch.bfloat16, "cuda", 0)
+    quantize_as_released(model)
+    assert lay_out_experts_for_mma(model) == 1
+    moe = model.model.layers[0].mlp
+    generator = torch.Generator("cuda").manual_seed(7)
+    x = torch.randn(512, model.config.hidden_size, generator=generator, device="cuda").bfloat16()
+    ids = torch.randint(0, model.config.vocab_size, (512,), generator=generator, device="cuda")
+    with torch.no_grad():
+        exact, exact_step = moe(x, ids).float(), moe(x[:4], ids[:4])
+        assert prefill_in_fp8(model) > 1
+        rounded, rounded_step = moe(x, ids).float(), moe(x[:4], ids[:4])
+    assert not torch.equal(rounded, exact)
+    assert float((rounded - exact).norm() / exact.norm()) < 0.05
+    assert torch.equal(rounded_step, exact_step)
+    del model
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("kernel", ["triton", "mma"])
