@@ -120,6 +120,18 @@ MERGE_BLOCK = 1024  # hidden channels per merge program
 PROJECT_TILE_MIN_TOKENS = 64
 PROJECT_TILE_TOKENS = 64
 PROJECT_TILE_BLOCK = 64
+# The finish kernel's programs a step aims at: a decode step of few tokens splits each token's collapse
+# into runs of MERGE_BLOCK channels, one program each (every program repeats the token's mixes, a few
+# dozen dependent float32 rounds on n x n values, and the input norm's sum of squares over the whole
+# row), so the n x D collapse is read by several SMs at once instead of one (at one token one program
+# did Sinkhorn and the whole 4 x 4096 collapse: ~8.6 us a site on the H200, twentieth session's profile).
+FINISH_PROGRAMS = 128
+
+
+def finish_parts(tokens: int, dim: int) -> int:
+    """Programs a token's finish takes: as many MERGE_BLOCK runs of its channels as keep the step's
+    programs near FINISH_PROGRAMS (1 from FINISH_PROGRAMS / 2 tokens on)."""
+    return max(1, min(-(-dim // MERGE_BLOCK), FINISH_PROGRAMS // max(tokens, 1)))
 
 
 class InputNorm(NamedTuple):
@@ -184,7 +196,9 @@ def hc_merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out:
 def hc_site_triton(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
     hc_eps: float, norm_eps: float, collapse_pre: torch.Tensor | None = None, input_norm: InputNorm | None = None,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`parts`: programs a token's finish takes (None: `finish_parts`); the same bits at any count."""
     tokens, _, dim = streams.shape
     streams = streams.contiguous()
     width = n * dim
@@ -209,9 +223,11 @@ def hc_site_triton(
     own = collapse_pre is None
     given = pre if own else collapse_pre.float().contiguous()
     weight = pre if input_norm is None else input_norm.weight.float().contiguous()
-    _hc_finish_kernel[(tokens,)](
+    parts = parts or finish_parts(tokens, dim)
+    per_part = -(-dim // (parts * MERGE_BLOCK)) * MERGE_BLOCK  # channels a program collapses
+    _hc_finish_kernel[(tokens, -(-dim // per_part))](
         partial, base.float().contiguous(), scale.float().contiguous(), streams, given, pre, post, comb, collapsed,
-        weight, width, dim, norm_eps, hc_eps, 0.0 if input_norm is None else input_norm.eps, iters, N=n,
+        weight, width, dim, per_part, norm_eps, hc_eps, 0.0 if input_norm is None else input_norm.eps, iters, N=n,
         SPLITS=SITE_SPLITS, OWN_PRE=own, INPUT_NORM=input_norm is not None, BLOCK=MERGE_BLOCK, num_warps=4,
     )
     return pre, post, comb, collapsed
@@ -297,12 +313,15 @@ if triton is not None:
 
     @triton.jit
     def _hc_finish_kernel(partial_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
-                          collapsed_ptr, weight_ptr, width, dim, norm_eps, hc_eps, input_eps, iters, N: tl.constexpr,
-                          SPLITS: tl.constexpr, OWN_PRE: tl.constexpr, INPUT_NORM: tl.constexpr, BLOCK: tl.constexpr):
-        """One token: the splits summed, the norm's scale applied, the mixes (`_mixes`), then the
-        collapse with this site's pre (OWN_PRE) or the given one; with INPUT_NORM the collapse through
-        kernels/norm.py's weighted RMS norm (weight_ptr, input_eps), as `_rms_norm_kernel` computes it
-        from the rounded collapse: a pass for its sum of squares, then the collapse again, scaled."""
+                          collapsed_ptr, weight_ptr, width, dim, per_part, norm_eps, hc_eps, input_eps, iters,
+                          N: tl.constexpr, SPLITS: tl.constexpr, OWN_PRE: tl.constexpr, INPUT_NORM: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """Program (token, part): the splits summed, the norm's scale applied, the mixes (`_mixes`; part 0
+        stores them), then channels [part x per_part, + per_part) of the collapse with this site's pre
+        (OWN_PRE) or the given one; with INPUT_NORM the collapse through kernels/norm.py's weighted RMS
+        norm (weight_ptr, input_eps), as `_rms_norm_kernel` computes it from the rounded collapse: a pass
+        over the whole row for its sum of squares, then the part's channels again, scaled. Every part
+        computes the same mixes and sum in the same order: the bits do not depend on the part count."""
         norm_eps = tl.cast(norm_eps, tl.float32)  # Inductor passes Python floats as fp64
         hc_eps = tl.cast(hc_eps, tl.float32)
         input_eps = tl.cast(input_eps, tl.float32)
@@ -318,9 +337,12 @@ if triton is not None:
         flat = tl.arange(0, N * N)
         comb_l = tl.reshape(tl.sum(tl.load(rows + 2 * N + flat[None, :]), axis=0) * inv, (N, N))
         pre, post, comb = _mixes(pre_l, post_l, comb_l, base_ptr, scale_ptr, hc_eps, iters, N)
-        tl.store(pre_ptr + token * N + i, pre)
-        tl.store(post_ptr + token * N + i, post)
-        tl.store(comb_ptr + token * N * N + square, comb)
+        first = tl.program_id(1) * per_part
+        if first == 0:
+            tl.store(pre_ptr + token * N + i, pre)
+            tl.store(post_ptr + token * N + i, post)
+            tl.store(comb_ptr + token * N * N + square, comb)
+        last = tl.minimum(first + per_part, dim)
         if OWN_PRE:
             weights = pre
         else:
@@ -334,12 +356,12 @@ if triton is not None:
                 value, _, _ = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
                 squares += value.to(tl.float32) * value.to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / dim + input_eps)
-            for start in range(0, dim, BLOCK):
+            for start in range(first, last, BLOCK):
                 value, d, inside = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
                 weight = tl.load(weight_ptr + d, mask=inside, other=0.0)
                 tl.store(out_row + d, (weight * (value.to(tl.float32) * inv_rms)).to(dtype), mask=inside)
         else:
-            for start in range(0, dim, BLOCK):
+            for start in range(first, last, BLOCK):
                 value, d, inside = _collapse_block(base_row, weights, start, dim, N, BLOCK, dtype)
                 tl.store(out_row + d, value, mask=inside)
 

@@ -71,6 +71,12 @@ def check_hc_site_and_merge(n: int, tokens: int, dim: int, dtype: torch.dtype, s
         assert got[3].dtype == dtype
         torch.testing.assert_close(got[3], want[3], **close)
         normed = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre, input_norm)[3]
+        # the finish's programs a token: the same bits at any count
+        for parts in (1, 3) if collapse_pre is None else ():
+            for norm, whole in ((None, got), (input_norm, normed)):
+                split = hc_site_triton(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre, norm, parts=parts)
+                assert all(torch.equal(a, b) for a, b in zip(split[:3], got[:3], strict=True))
+                assert torch.equal(split[3], whole[3] if norm is None else whole)
         # the reference's normed collapse is the norm of its collapse, as the model computed it before
         assert torch.equal(hc_site_reference(streams, fn, base, scale, n, 20, 1e-6, 1e-6, collapse_pre, input_norm)[3],
                            rms_norm_reference(want[3], input_norm.weight, input_norm.eps))
