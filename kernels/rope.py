@@ -5,7 +5,9 @@ Pairs (2i, 2i + 1) of the rotated part turn by angle i of their row's position, 
 cast back; the first D - R channels pass through. In torch that is ~10 kernels (cast, strided
 slices, stack, cat) and a decode layer applies it five to seven times, so on the GPU `apply_rope`
 is one Triton program per row (one head of one token). `apply_rope_reference` is the torch
-definition (the CPU path and the oracle).
+definition (the CPU path and the oracle). `apply_rope_` turns a tensor nobody else reads in place: only
+its R rotated channels are read and written (V4's attention rows: 64 of 512), where `apply_rope` reads
+every channel twice and writes a copy of all of them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if triton is None or not x.is_cuda or dim & (dim - 1):
         return apply_rope_reference(x, cos, sin)
     return apply_rope_triton(x, cos, sin)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` written into x (returned): its last R channels turned where they lie, the rest
+    untouched; the same bits. For tensors no one else reads (a projection's or norm's fresh output). A
+    tensor autograd tracks (training, tools/train_tiny.py) gets `apply_rope`'s new tensor instead."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return apply_rope(x, cos, sin)
+    rope_dim = 2 * cos.shape[-1]
+    if triton is None or not x.is_cuda or not x.is_contiguous() or rope_dim & (rope_dim - 1):
+        x[..., -rope_dim:] = apply_rope_reference(x[..., -rope_dim:], cos, sin)
+        return x
+    return apply_rope_triton_(x, cos, sin)
+
+
+def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x contiguous, R a power of two."""
+    rope_dim = 2 * cos.shape[-1]
+    dim, heads = x.shape[-1], x.shape[1] if x.dim() == 3 else 1
+    rows = x.numel() // dim
+    if rows:
+        _rope_in_place_kernel[(triton.cdiv(rows, IN_PLACE_ROWS),)](
+            x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, dim, R=rope_dim, ROWS=IN_PLACE_ROWS,
+            num_warps=1,
+        )
+    return x
+
+
+IN_PLACE_ROWS = 16  # rows (heads of tokens) a program of the in-place kernel turns
 
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,3 +100,23 @@ if triton is not None:
         turned = value.to(tl.float32) * c + sign * partner * s
         out = tl.where(in_rope, turned.to(value.dtype), value)
         tl.store(out_ptr + row * D + channel, out)
+
+    @triton.jit
+    def _rope_in_place_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, R: tl.constexpr, ROWS: tl.constexpr):
+        """Rows [program x ROWS, + ROWS): their last R channels turned in place, `_rope_kernel`'s
+        arithmetic. One warp, and a barrier between the loads and the stores: no lane overwrites a
+        partner channel another lane has yet to read."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = (row < rows)[:, None]
+        channel = tl.arange(0, R)
+        offsets = row[:, None] * dim + (dim - R) + channel[None, :]
+        value = tl.load(x_ptr + offsets, mask=live, other=0.0)
+        partner = tl.load(x_ptr + row[:, None] * dim + (dim - R) + (channel ^ 1)[None, :], mask=live,
+                          other=0.0).to(tl.float32)
+        angle = (row // heads)[:, None] * (R // 2) + (channel // 2)[None, :]
+        c = tl.load(cos_ptr + angle, mask=live, other=1.0)
+        s = tl.load(sin_ptr + angle, mask=live, other=0.0)
+        sign = tl.where(channel % 2 == 0, -1.0, 1.0)[None, :]
+        turned = (value.to(tl.float32) * c + sign * partner * s).to(value.dtype)
+        tl.debug_barrier()
+        tl.store(x_ptr + offsets, turned, mask=live)

@@ -28,7 +28,7 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
-from models.layers import GroupedLinear, RMSNorm, RotaryTable, apply_rope, project_pair, unweighted_rms_norm
+from models.layers import GroupedLinear, RMSNorm, RotaryTable, apply_rope_, project_pair, unweighted_rms_norm
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
@@ -60,9 +60,9 @@ def add_attention_projections(module: nn.Module, c: ModelConfig, tp: TensorParal
 
 def attention_output(module: nn.Module, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The projections `add_attention_projections` made, applied to the heads' output [T, heads, dim]:
-    its rope channels rotated back by the query position, then the grouped low-rank output (a partial
-    sum under tensor parallelism, completed here)."""
-    out = apply_rope(out, cos, -sin)
+    its rope channels rotated back by the query position (in place: the attention kernels' fresh output),
+    then the grouped low-rank output (a partial sum under tensor parallelism, completed here)."""
+    out = apply_rope_(out, cos, -sin)
     return module.tp.all_reduce(module.o_b_proj(module.o_a_proj(out.flatten(1))))
 
 
@@ -127,8 +127,8 @@ class Attention(nn.Module):
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
         q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(kv), cos, sin)
+        q = apply_rope_(unweighted_rms_norm(q, self.eps), cos, sin)  # in place: the norms' fresh outputs
+        kv = apply_rope_(self.kv_norm(kv), cos, sin)
         return cos, sin, q_residual, q, kv
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

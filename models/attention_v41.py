@@ -33,7 +33,7 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, select_candidate_blocks
-from models.layers import RotaryTable, apply_rope, project_pair
+from models.layers import RotaryTable, apply_rope, apply_rope_, project_pair
 from models.parallel import SINGLE, TensorParallel
 
 
@@ -92,8 +92,8 @@ class SharedCompressedAttention(nn.Module):
         cos, sin = self.rope(batch.positions)
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
-        q = apply_rope(self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope(self.kv_norm(kv), cos, sin))
+        q = apply_rope_(self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos, sin)
+        kv = self.quantize_kv(apply_rope_(self.kv_norm(kv), cos, sin))
         out = torch.empty_like(q)
         for index, chunk in enumerate(batch.chunks):
             rows = chunk.rows
@@ -110,8 +110,8 @@ class SharedCompressedAttention(nn.Module):
         cos, sin = self.rope(batch.positions)
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
-        q = apply_rope(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope(self.kv_norm(kv), cos, sin))
+        q = apply_rope_(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        kv = self.quantize_kv(apply_rope_(self.kv_norm(kv), cos, sin))
         layer = cache.layers[self.layer]
         if self.compressor is not None:
             self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)

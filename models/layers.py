@@ -12,7 +12,7 @@ from torch import nn
 from kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_linear_pair, grouped_product
 from kernels.norm import rms_norm
 from kernels.quant import FP8_BLOCK
-from kernels.rope import apply_rope  # noqa: F401  (the models' import point)
+from kernels.rope import apply_rope, apply_rope_  # noqa: F401  (the models' import point)
 from models.config import RopeSpec
 
 

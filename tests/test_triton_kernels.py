@@ -434,7 +434,7 @@ def test_clamped_swiglu_kernel_equals_the_reference():
 
 
 def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> None:
-    from kernels.rope import apply_rope_reference, apply_rope_triton
+    from kernels.rope import apply_rope_, apply_rope_reference, apply_rope_triton, apply_rope_triton_
 
     generator = torch.Generator(device).manual_seed(seed)
     x = torch.randn(shape, generator=generator, device=device).to(dtype)
@@ -445,11 +445,16 @@ def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: 
         tolerance = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
         assert torch.equal(got[..., :-rope_dim], x[..., :-rope_dim])
+        for in_place in (apply_rope_triton_, apply_rope_):  # the kernel, and the reference path off CUDA
+            turned = x.clone()
+            assert in_place(turned, cos, sign * sin) is turned
+            assert torch.equal(turned, got if in_place is apply_rope_triton_ or x.is_cuda else want)
 
 
 def test_rope_kernel_equals_the_reference():
     check_rope((5, 3, 32), 8, torch.float32, seed=0)  # per head
     check_rope((4, 16), 16, torch.float32, seed=1)  # every channel rotated
+    check_rope((37, 2, 64), 16, torch.bfloat16, seed=2)  # rows past a program's last, in bf16
 
 
 def check_experts_pairwise(tokens: int, dtype: torch.dtype, seed: int, device: str = DEVICE,
