@@ -23,8 +23,8 @@ scales, measured slower at every V4 shape: BENCHMARKS.md, nineteenth session.)
   W in x's dtype, bitwise the reference's, then cuBLAS; on the H200 this beat the split-K kernel above
   32 rows (128 blocks) / 16 (32 blocks) and the torch dequantization by 1.4-2.3x (bench/fp8_linear.py;
   BENCHMARKS.md has the table).
-- `fp8_linear_scaled_mm` (opt-in, `fp8_activations`: `model.prefill_activations: fp8`): FP8 tensor cores through torch's blockwise scaled
-  matmul, x quantized per 1 x 128 group; 128 x 128 blocks only (torch has no 32 x 32 recipe on sm90).
+- `fp8_linear_scaled_mm` (opt-in, `fp8_activations`: `model.prefill_activations: fp8`): FP8 tensor cores
+  through torch's blockwise scaled matmul, x quantized per 1 x 128 group; 128 x 128 blocks only (torch has no 32 x 32 recipe on sm90).
 - `fp8_linear_tc` / `fp8_linear_w8a8`: Triton tensor-core tiles (W decoded in registers / fp8 x fp8,
   any block size), tested but not dispatched: measured slower than the paths above (BENCHMARKS.md).
 """
@@ -414,6 +414,13 @@ def quantize_fp8_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Te
     return values, scale.t().contiguous()
 
 
+def fake_quantize_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] as e4m3 per 1 x group sees it: each value rounded to e4m3 over its group's scale, times
+    that scale, in float32."""
+    values, scale = quantize_fp8_groups_reference(x, group)
+    return values.float() * scale.t().repeat_interleave(group, dim=1)
+
+
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     if triton is None or not x.is_cuda or _interpreting():
         return quantize_fp8_groups_reference(x, group)
@@ -430,9 +437,7 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 def fp8_linear_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """What `fp8_linear_w8a8` computes: x rounded to e4m3 per 1 x block group, then exact products."""
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    values, x_scale = quantize_fp8_groups_reference(rows, block)
-    xs = values.float() * x_scale.t().repeat_interleave(block, dim=1)
+    xs = fake_quantize_fp8_groups(x.reshape(-1, k), block)
     return F.linear(xs, dequantize_fp8_blocks(weight, scale, block)).to(x.dtype).view(*x.shape[:-1], n)
 
 

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from kernels.batch_invariant import batch_invariant_active
 from kernels.moe_mxfp4 import MAX_SCAN_PAIRS, experts_by_expert, experts_sorted
 from kernels.mma_layout import MXFP4MMAExperts
-from kernels.moe_mxfp4_fp8 import STEP as FP8_STEP
-from kernels.moe_mxfp4_fp8 import experts_sorted_fp8
+from kernels.moe_mxfp4_fp8 import experts_sorted_fp8, widths_fit
 from kernels.moe_mxfp4_mma import experts_mma
 from kernels.moe_pairs import pair_table, plus_residual, sum_pairs, swiglu_pairs
 from kernels.norm import rows_in_place
@@ -210,8 +209,8 @@ def experts_on_device(
     """The GPU path: pairwise kernels for a few pairs (a decode step of a small batch), grouped GEMMs
     otherwise. `fp8_prefill` (`model.prefill_activations: fp8`): MXFP4 experts of bf16 x beyond
     MAX_SCAN_PAIRS pairs take kernels/moe_mxfp4_fp8.py's sorted kernels (FP8 activations) where dim and
-    inter are multiples of its STEP. MXFP4 experts with bf16 activations: the tensor-core kernels of kernels/moe_mxfp4.py
-    (scanning up to its MAX_SCAN_PAIRS, sorted beyond); other activation dtypes: pairwise up to
+    inter are multiples of its STEP. MXFP4 experts with bf16 activations: the tensor-core kernels of
+    kernels/moe_mxfp4.py (scanning up to its MAX_SCAN_PAIRS, sorted beyond); other activation dtypes: pairwise up to
     MXFP4_PAIRWISE_MAX_PAIRS pairs and whenever a graph is being captured (the loop syncs), else the
     reference loop, which dequantizes each chosen expert. MXFP4 experts laid out for
     kernels/moe_mxfp4_mma.py (bf16 models only): its CUDA kernel up to MAX_SCAN_PAIRS pairs, the
@@ -234,11 +233,8 @@ def experts_on_device(
 
 def _fp8_prefill_applies(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor | MXFP4Experts | MXFP4MMAExperts
                          ) -> bool:
-    if not isinstance(gate_up, (MXFP4Experts, MXFP4MMAExperts)) or triton is None:
-        return False
-    _, double_inter, dim = gate_up.shape
-    return (x.dtype == torch.bfloat16 and experts.numel() > MAX_SCAN_PAIRS and not dim % FP8_STEP
-            and not double_inter % (2 * FP8_STEP))
+    return (isinstance(gate_up, (MXFP4Experts, MXFP4MMAExperts)) and triton is not None
+            and x.dtype == torch.bfloat16 and experts.numel() > MAX_SCAN_PAIRS and widths_fit(gate_up))
 
 
 if triton is not None:

@@ -27,11 +27,13 @@ interpreter, whose fp8 conversions truncate), a 14 x 16-byte table of the e4m3 b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kernels.fp8_linear import quantize_fp8_groups, quantize_fp8_groups_reference
+from kernels.fp8_linear import fake_quantize_fp8_groups, quantize_fp8_groups
 from kernels.mma_layout import CHUNK, CODE_ORDER, MXFP4MMAExperts
 from kernels.moe_mxfp4 import Blocks, Tile, _checked, _SortedTable
 from kernels.moe_pairs import pair_table, pair_table_reference, sum_pairs, sum_pairs_reference, swiglu_pairs_reference
@@ -92,19 +94,13 @@ def fp8_weight_reference(w: MXFP4Experts | MXFP4MMAExperts, local: int) -> torch
     return (full / step_scale).to(torch.float8_e4m3fn).float() * step_scale
 
 
-def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] as the kernels see it: e4m3 per 1 x STEP times its scale, float32."""
-    values, scale = quantize_fp8_groups_reference(x, STEP)
-    return values.float() * scale.t().repeat_interleave(STEP, dim=1)
-
-
 def fp8_hidden_reference(x: torch.Tensor, expert_of: torch.Tensor, weight: torch.Tensor, k: int,
                          gate_up: MXFP4Experts | MXFP4MMAExperts, limit: float, weight_before_down: bool
                          ) -> torch.Tensor:
     """The hidden rows [pairs, inter] in bf16 (pair p reads x row p // k; 0 for another rank's pair): x to
     e4m3 per 1 x STEP, gate_up as `fp8_weight_reference`, float32 sums, the clamped SwiGLU."""
     pairs = expert_of.numel()
-    xs = _fake_quantized(x.float())
+    xs = fake_quantize_fp8_groups(x.float(), STEP)
     token_of = torch.arange(pairs, device=x.device) // k
     partial = torch.zeros(1, pairs, gate_up.shape[1], dtype=torch.float32, device=x.device)
     for local, mine in _pairs_by_expert(expert_of):
@@ -117,7 +113,7 @@ def fp8_down_reference(hidden: torch.Tensor, expert_of: torch.Tensor, down: MXFP
     """float32 [1, pairs, dim]: each pair's hidden row to e4m3 per 1 x STEP times its expert's down as
     `fp8_weight_reference` (0 for another rank's pair)."""
     pairs = expert_of.numel()
-    rows = _fake_quantized(torch.where((expert_of >= 0)[:, None], hidden.float(), 0.0))
+    rows = fake_quantize_fp8_groups(torch.where((expert_of >= 0)[:, None], hidden.float(), 0.0), STEP)
     out = torch.zeros(1, pairs, down.shape[1], dtype=torch.float32, device=hidden.device)
     for local, mine in _pairs_by_expert(expert_of):
         out[0, mine] = _exact_product(rows[mine], fp8_weight_reference(down, local))
@@ -149,16 +145,20 @@ def experts_fp8_reference(
                                residual)
 
 
-# per device, once: the table and the column orders (a copy to the GPU per call would sync the host)
-_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+class DeviceTables(NamedTuple):
+    """What the kernels read besides their operands, made once per device (a copy to the GPU per call
+    would sync the host): the e4m3 table and the activations' column orders."""
+
+    lut: torch.Tensor
+    steps: torch.Tensor  # STEP_ORDER (the hidden rows, already in their codes' order)
+    mma: torch.Tensor  # activation_order(True)
+    released: torch.Tensor  # activation_order(False)
 
 
-def _on_device(name: str, device: torch.device) -> torch.Tensor:
-    if (name, device) not in _ON_DEVICE:
-        made = {"lut": e4m3_lut, "step": lambda: STEP_ORDER, "mma": lambda: activation_order(True),
-                "released": lambda: activation_order(False)}[name]()
-        _ON_DEVICE[name, device] = made.to(device)
-    return _ON_DEVICE[name, device]
+@functools.cache
+def device_tables(device: torch.device) -> DeviceTables:
+    return DeviceTables(*(t.to(device) for t in (e4m3_lut(), STEP_ORDER, activation_order(True),
+                                                  activation_order(False))))
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,12 @@ class SortedPairs:
         return table.order, table.block_expert, table.block_start, table.block_end
 
 
+def widths_fit(gate_up: MXFP4Experts | MXFP4MMAExperts) -> bool:
+    """Whether the experts' dim and inter are multiples of STEP, as the kernels need."""
+    _, double_inter, dim = gate_up.shape
+    return not dim % STEP and not double_inter % (2 * STEP)
+
+
 def experts_sorted_fp8(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: MXFP4Experts | MXFP4MMAExperts,
     down: MXFP4Experts | MXFP4MMAExperts, first: int, limit: float, weight_before_down: bool,
@@ -191,7 +197,7 @@ def experts_sorted_fp8(
     """`experts_fp8_reference` on the GPU (or Triton's interpreter): `fp8_hidden`, `fp8_down` and
     kernels/moe_pairs.py's sum. dim and inter: multiples of STEP. `blocks` None: FP8_BLOCKS."""
     held, double_inter, dim = gate_up.shape
-    if dim % STEP or double_inter % (2 * STEP):
+    if not widths_fit(gate_up):
         raise ValueError(f"experts of {dim} x {double_inter // 2}: the FP8 kernels take multiples of {STEP}")
     blocks = blocks or FP8_BLOCKS
     tiles = Tile(*blocks["gate_up"]), Tile(*blocks["down"])
@@ -210,11 +216,11 @@ def fp8_hidden(x: torch.Tensor, pairs: SortedPairs, gate_up: MXFP4Experts | MXFP
     _, double_inter, dim = gate_up.shape
     inter = double_inter // 2
     mma_layout = isinstance(gate_up, MXFP4MMAExperts)
-    order = _on_device("mma" if mma_layout else "released", x.device)
-    xq, xs = quantize_steps(x.reshape(pairs.tokens, dim).contiguous(), order)
+    tables = device_tables(x.device)
+    xq, xs = quantize_steps(x.reshape(pairs.tokens, dim).contiguous(), tables.mma if mma_layout else tables.released)
     hidden = torch.empty(pairs.expert_of.numel(), inter, dtype=torch.bfloat16, device=x.device)
     _gate_up_fp8_kernel[(pairs.table.programs, triton.cdiv(inter, tile.block_n))](
-        xq, xs, *pairs.operands, pairs.weight, gate_up.codes, gate_up.scales, _on_device("lut", x.device), hidden,
+        xq, xs, *pairs.operands, pairs.weight, gate_up.codes, gate_up.scales, tables.lut, hidden,
         pairs.expert_of.numel(), pairs.tokens, pairs.k, dim, inter, limit, WEIGHT_BEFORE_DOWN=weight_before_down,
         UPCAST=_checked(upcast, UPCASTS, "lut"), MMA_LAYOUT=mma_layout, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=STEP, **tile.launch,
@@ -228,10 +234,11 @@ def fp8_down(hidden: torch.Tensor, pairs: SortedPairs, down: MXFP4Experts | MXFP
     another rank's rows unwritten."""
     _, dim, inter = down.shape
     count = pairs.expert_of.numel()
-    hq, hs = quantize_steps(hidden, _on_device("step", hidden.device))  # in the codes' order already
+    tables = device_tables(hidden.device)
+    hq, hs = quantize_steps(hidden, tables.steps)  # in the codes' order already
     out = torch.empty(1, count, dim, dtype=torch.float32, device=hidden.device)
     _down_fp8_kernel[(pairs.table.programs, triton.cdiv(dim, tile.block_n))](
-        hq, hs, *pairs.operands, down.codes, down.scales, _on_device("lut", hidden.device), out, count, dim, inter,
+        hq, hs, *pairs.operands, down.codes, down.scales, tables.lut, out, count, dim, inter,
         UPCAST=_checked(upcast, UPCASTS, "lut"), MMA_LAYOUT=isinstance(down, MXFP4MMAExperts), BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=STEP, **tile.launch,
     )
@@ -251,38 +258,29 @@ if triton is not None:
     #   2 ** -14 (exponent field x > 0: 2 ** (x - 15) (1 + m / 2); x = 0: the subnormal m 2 ** -15).
     # - Times 2 ** (14 - shift): exact (E2M1 x 2 ** -shift, an f16 down to shift 22, and from shift 13 on
     #   e4m3 rounds every code to 0 anyway); cvt.rn.satfinite rounds to e4m3 to nearest even, as torch.
-    _E2M1_TO_E4M3_PTX = tl.constexpr("""{
+    def _nibbles_to_e4m3(lanes: str, mask: str, shifts: tuple[int, int], factor: str, out: str) -> str:
+        """One nibble of each 16-bit lane of `lanes` (`mask` picks it, `shifts` place its magnitude and its
+        sign) times the f16x2 `factor`, to two e4m3 in the 16-bit `out`."""
+        return f"""
+    and.b32 n, {lanes}, {mask};
+    shl.b32 a, n, {shifts[0]};
+    shl.b32 b, n, {shifts[1]};
+    lop3.b32 u, a, b, 0x8E008E00, 0xA8;
+    mul.rn.f16x2 u, u, {factor};
+    cvt.rn.satfinite.e4m3x2.f16x2 {out}, u;"""
+
+    _LOW, _HIGH = ("0x000F000F", (9, 12)), ("0x00F000F0", (5, 8))
+    _E2M1_TO_E4M3_PTX = tl.constexpr(
+        """{
     .reg .b32 t0, t1, n, a, b, u;
     .reg .b16 h0, h1, h2, h3;
     prmt.b32 t0, $2, 0, 0x4140;
-    prmt.b32 t1, $2, 0, 0x4342;
-    and.b32 n, t0, 0x000F000F;
-    shl.b32 a, n, 9;
-    shl.b32 b, n, 12;
-    lop3.b32 u, a, b, 0x8E008E00, 0xA8;
-    mul.rn.f16x2 u, u, $3;
-    cvt.rn.satfinite.e4m3x2.f16x2 h0, u;
-    and.b32 n, t1, 0x000F000F;
-    shl.b32 a, n, 9;
-    shl.b32 b, n, 12;
-    lop3.b32 u, a, b, 0x8E008E00, 0xA8;
-    mul.rn.f16x2 u, u, $4;
-    cvt.rn.satfinite.e4m3x2.f16x2 h1, u;
-    mov.b32 $0, {h0, h1};
-    and.b32 n, t0, 0x00F000F0;
-    shl.b32 a, n, 5;
-    shl.b32 b, n, 8;
-    lop3.b32 u, a, b, 0x8E008E00, 0xA8;
-    mul.rn.f16x2 u, u, $3;
-    cvt.rn.satfinite.e4m3x2.f16x2 h2, u;
-    and.b32 n, t1, 0x00F000F0;
-    shl.b32 a, n, 5;
-    shl.b32 b, n, 8;
-    lop3.b32 u, a, b, 0x8E008E00, 0xA8;
-    mul.rn.f16x2 u, u, $4;
-    cvt.rn.satfinite.e4m3x2.f16x2 h3, u;
-    mov.b32 $1, {h2, h3};
-    }""")
+    prmt.b32 t1, $2, 0, 0x4342;"""
+        + _nibbles_to_e4m3("t0", *_LOW, "$3", "h0") + _nibbles_to_e4m3("t1", *_LOW, "$4", "h1")
+        + "\n    mov.b32 $0, {h0, h1};"
+        + _nibbles_to_e4m3("t0", *_HIGH, "$3", "h2") + _nibbles_to_e4m3("t1", *_HIGH, "$4", "h3")
+        + "\n    mov.b32 $1, {h2, h3};\n    }"
+    )
 
     @triton.jit
     def _e4m3_codes(codes, shift, lut_ptr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
