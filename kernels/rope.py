@@ -7,7 +7,13 @@ slices, stack, cat) and a decode layer applies it five to seven times, so on the
 is one Triton program per row (one head of one token). `apply_rope_reference` is the torch
 definition (the CPU path and the oracle). `apply_rope_` turns a tensor nobody else reads in place: only
 its R rotated channels are read and written (V4's attention rows: 64 of 512), where `apply_rope` reads
-every channel twice and writes a copy of all of them.
+every channel twice and writes a copy of all of them (`inverse=True` turns back, for the attention output,
+without a negated copy of sin).
+
+`rope_table` makes the cos / sin rows themselves: angle i of a position is position x inv_freq[i] in float32,
+times the spec's attention factor; with `rate`, the position is first rounded down to a multiple of it (a
+compressed entry's position). In torch that is six kernels (cast, product, cos, scale, sin, scale) and
+two more for the rounding, for each of a decode step's four or five tables; on the GPU it is one.
 """
 
 from __future__ import annotations
@@ -39,20 +45,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return apply_rope_triton(x, cos, sin)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`apply_rope` written into x (returned): its last R channels turned where they lie, the rest
     untouched; the same bits. For tensors no one else reads (a projection's or norm's fresh output). A
-    tensor autograd tracks (training, tools/train_tiny.py) gets `apply_rope`'s new tensor instead."""
+    tensor autograd tracks (training, tools/train_tiny.py) gets `apply_rope`'s new tensor instead.
+    inverse: turned back (`apply_rope` with -sin), the same bits as that."""
     if x.requires_grad and torch.is_grad_enabled():
-        return apply_rope(x, cos, sin)
+        return apply_rope(x, cos, -sin if inverse else sin)
     rope_dim = 2 * cos.shape[-1]
     if triton is None or not x.is_cuda or not x.is_contiguous() or rope_dim & (rope_dim - 1):
-        x[..., -rope_dim:] = apply_rope_reference(x[..., -rope_dim:], cos, sin)
+        x[..., -rope_dim:] = apply_rope_reference(x[..., -rope_dim:], cos, -sin if inverse else sin)
         return x
-    return apply_rope_triton_(x, cos, sin)
+    return apply_rope_triton_(x, cos, sin, inverse)
 
 
-def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x contiguous, R a power of two."""
     rope_dim = 2 * cos.shape[-1]
     dim, heads = x.shape[-1], x.shape[1] if x.dim() == 3 else 1
@@ -60,9 +67,41 @@ def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if rows:
         _rope_in_place_kernel[(triton.cdiv(rows, IN_PLACE_ROWS),)](
             x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, dim, R=rope_dim, ROWS=IN_PLACE_ROWS,
-            num_warps=1,
+            INVERSE=inverse, num_warps=1,
         )
     return x
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, rate: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] (integers), inv_freq [R / 2] float32 on their device -> (cos, sin) [N, R / 2] float32 of
+    (positions // rate * rate) x inv_freq, times scale. One kernel on the GPU (see the module docstring)."""
+    if triton is None or not positions.is_cuda:
+        return rope_table_reference(positions, inv_freq, scale, rate)
+    return rope_table_triton(positions, inv_freq, scale, rate)
+
+
+def rope_table_reference(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                         rate: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    if rate != 1:
+        positions = positions // rate * rate
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+TABLE_ROWS = 16  # positions a program of the table kernel computes
+
+
+def rope_table_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                      rate: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(n, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if n:
+        _rope_table_kernel[(triton.cdiv(n, TABLE_ROWS),)](
+            positions, inv_freq, cos, sin, n, half, float(scale), rate, ROWS=TABLE_ROWS,
+            HALF=triton.next_power_of_2(half), num_warps=1,
+        )
+    return cos, sin
 
 
 IN_PLACE_ROWS = 16  # rows (heads of tokens) a program of the in-place kernel turns
@@ -102,10 +141,11 @@ if triton is not None:
         tl.store(out_ptr + row * D + channel, out)
 
     @triton.jit
-    def _rope_in_place_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, R: tl.constexpr, ROWS: tl.constexpr):
+    def _rope_in_place_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, R: tl.constexpr, ROWS: tl.constexpr,
+                              INVERSE: tl.constexpr):
         """Rows [program x ROWS, + ROWS): their last R channels turned in place, `_rope_kernel`'s
         arithmetic (an explicit fma in both: left to the compiler, the two kernels contracted the sum
-        differently and differed by a bf16 ulp at 128 channels on the H200). One warp, and a barrier between the loads and the stores: no lane overwrites a
+        differently and differed by a bf16 ulp at 128 channels on the H200); INVERSE: by -sin (exact). One warp, and a barrier between the loads and the stores: no lane overwrites a
         partner channel another lane has yet to read."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = (row < rows)[:, None]
@@ -117,7 +157,27 @@ if triton is not None:
         angle = (row // heads)[:, None] * (R // 2) + (channel // 2)[None, :]
         c = tl.load(cos_ptr + angle, mask=live, other=1.0)
         s = tl.load(sin_ptr + angle, mask=live, other=0.0)
+        if INVERSE:
+            s = -s
         sign = tl.where(channel % 2 == 0, -1.0, 1.0)[None, :]
         turned = tl.fma(value.to(tl.float32), c, sign * partner * s).to(value.dtype)
         tl.debug_barrier()
         tl.store(x_ptr + offsets, turned, mask=live)
+
+    @triton.jit(do_not_specialize=["n", "rate"])
+    def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, half, scale, rate, ROWS: tl.constexpr,
+                           HALF: tl.constexpr):
+        """Positions [program x ROWS, + ROWS): `rope_table_reference`'s float32 operations in its order
+        (tl.cos / tl.sin are libdevice's accurate cosf / sinf, as torch's)."""
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        column = tl.arange(0, HALF)
+        live = row < n
+        position = tl.load(positions_ptr + row, mask=live, other=0)
+        rounded = position // rate * rate  # C's division truncates: floor it for negative positions as torch does
+        position = tl.where(rounded > position, rounded - rate, rounded)
+        inv = tl.load(inv_freq_ptr + column, mask=column < half, other=0.0)
+        freqs = position.to(tl.float32)[:, None] * inv[None, :]
+        inside = live[:, None] & (column < half)[None, :]
+        offsets = row[:, None] * half + column[None, :]
+        tl.store(cos_ptr + offsets, tl.cos(freqs) * scale, mask=inside)
+        tl.store(sin_ptr + offsets, tl.sin(freqs) * scale, mask=inside)

@@ -62,7 +62,7 @@ def attention_output(module: nn.Module, out: torch.Tensor, cos: torch.Tensor, si
     """The projections `add_attention_projections` made, applied to the heads' output [T, heads, dim]:
     its rope channels rotated back by the query position (in place: the attention kernels' fresh output),
     then the grouped low-rank output (a partial sum under tensor parallelism, completed here)."""
-    out = apply_rope_(out, cos, -sin)
+    out = apply_rope_(out, cos, sin, inverse=True)
     return module.tp.all_reduce(module.o_b_proj(module.o_a_proj(out.flatten(1))))
 
 

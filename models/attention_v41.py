@@ -133,10 +133,10 @@ class SharedCompressedAttention(nn.Module):
         indexer = self.indexer
         visible = torch.div(batch.positions + 1, self.visible_rate, rounding_mode="floor")
         keys_made = torch.div(batch.positions + 1, self.key_rate, rounding_mode="floor")
-        q = indexer.quantize(apply_rope(indexer.q_b_proj(q_residual).view(-1, indexer.n_heads, indexer.head_dim), cos, sin))
-        head_weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5
+        q = indexer.quantize(apply_rope_(indexer.q_b_proj(q_residual).view(-1, indexer.n_heads, indexer.head_dim), cos, sin))
         store = cache.layers[self.key_source].shared.index_keys
-        scores = indexer_scores(q.float(), head_weights, store, batch.block_tables, torch.minimum(visible, keys_made))
+        scores = indexer_scores(q, indexer.weights_proj(x), store, batch.block_tables, torch.minimum(visible, keys_made),
+                                weight_scale=indexer.n_heads**-0.5)
         if self.is_candidate_source:
             selection.candidate_blocks = select_candidate_blocks(scores, visible, self.block_size, self.top_blocks)
         elif self.constrained and selection.candidate_blocks is not None:

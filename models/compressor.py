@@ -22,7 +22,7 @@ from kernels.indexer import indexer_scores
 from kernels.pooler import combine_windows, pool_decode_applies, pool_decode_reference, pool_decode_triton
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import PoolerCache, paged_read, paged_write, paged_write_rows
-from models.layers import RMSNorm, RotaryTable, apply_rope
+from models.layers import RMSNorm, RotaryTable, apply_rope, apply_rope_
 
 
 class WindowPooler(nn.Module):
@@ -80,7 +80,7 @@ class WindowPooler(nn.Module):
         (elsewhere the page keeps what it held). On the GPU one kernel does it all (kernels/pooler.py)."""
         rate, positions = self.rate, batch.positions
         kv, gate = self.kv_proj(x), self.gate_proj(x)
-        cos, sin = rope(positions // rate * rate)
+        cos, sin = rope(positions, rate)
         args = (cache.raw_kv, cache.raw_gate, batch.slots, positions, kv, gate, self.position_bias,
                 self.kv_norm.weight, self.kv_norm.eps, cos, sin, rate, self.overlap)
         if pool_decode_applies(cache.raw_kv, self.overlap, cos.shape[-1]):
@@ -142,10 +142,10 @@ class Indexer(WindowPooler):
         width fixes the shapes); returns the top-k entry ids by score [B, k] (those at or past the
         visible entries, (position + 1) // rate, are not attended)."""
         n_heads, dim = self.n_heads, self.head_dim
-        q = apply_rope(self.q_b_proj(q_residual).view(-1, n_heads, dim), cos, sin).float()
-        weights = self.scorer.weights_proj(x).float() * n_heads**-0.5
+        q = apply_rope_(self.q_b_proj(q_residual).view(-1, n_heads, dim), cos, sin)  # in place: a fresh output
         visible = (batch.positions + 1) // self.rate
-        total = indexer_scores(q, weights, cache.entries, batch.block_tables, visible)
+        total = indexer_scores(q, self.scorer.weights_proj(x), cache.entries, batch.block_tables, visible,
+                               weight_scale=n_heads**-0.5)
         _, ids = stable_topk(total, min(self.topk, total.shape[1]))
         return ids
 

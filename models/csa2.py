@@ -84,7 +84,7 @@ class SharedCompressor(nn.Module):
             weights = gate.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
             latents = self.kv_norm((kv * weights).sum(dim=1).to(x.dtype))
             closes = (positions + 1) % rate == 0
-        cos, sin = rope(group * rate)
+        cos, sin = rope(positions, rate)  # the group's first position: group * rate
         entries = self._rounded(store.entries, apply_rope(latents, cos, sin))
         paged_write_rows(store.entries, batch.block_tables, group, entries, closes)
         if indexer is not None:

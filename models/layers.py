@@ -12,7 +12,7 @@ from torch import nn
 from kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_linear_pair, grouped_product
 from kernels.norm import rms_norm
 from kernels.quant import FP8_BLOCK
-from kernels.rope import apply_rope, apply_rope_  # noqa: F401  (the models' import point)
+from kernels.rope import apply_rope, apply_rope_, rope_table  # noqa: F401  (the models' import point)
 from models.config import RopeSpec
 
 
@@ -118,20 +118,21 @@ class RotaryTable:
         self.scale = spec.attention_factor
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, rate: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin of `positions` rounded down to multiples of `rate` (a compressed entry's position:
+        the rounding is the table kernel's, so the layers of one rate share a table)."""
         shared = _STEP_TABLES.get()
         if shared is None:
-            return self._compute(positions)
+            return self._compute(positions, rate)
         # keyed by the tensor object, which the entry keeps alive: its id cannot be reused in the step
-        key = (self.spec, id(positions), positions.device)
+        key = (self.spec, id(positions), positions.device, rate)
         entry = shared.get(key)
         if entry is None or entry[0] is not positions:
-            entry = shared[key] = (positions, *self._compute(positions))
+            entry = shared[key] = (positions, *self._compute(positions, rate))
         return entry[1], entry[2]
 
-    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+    def _compute(self, positions: torch.Tensor, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_table(positions, self._inv_freq_on(positions.device), self.scale, rate)
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """The frequencies copied to the device once: a host-to-device copy per call would sync each

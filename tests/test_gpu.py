@@ -414,6 +414,14 @@ def test_rope_kernel_compiled_equals_the_reference():
         check_rope((2, 64, 128), 64, dtype, seed=2, device="cuda")  # indexer heads
 
 
+def test_rope_table_kernel_compiled_equals_the_reference():
+    from tests.test_triton_kernels import check_rope_table
+
+    check_rope_table(1, 32, 1, seed=0, device="cuda")  # a decode step's one position
+    check_rope_table(4099, 32, 4, seed=1, device="cuda")  # a prefill chunk, CSA's rounding
+    check_rope_table(33, 32, 128, seed=2, device="cuda")  # HCA's
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_pairwise_experts_kernels_compiled_equal_the_reference(tokens):
     from tests.test_triton_kernels import check_experts_pairwise

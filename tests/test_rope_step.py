@@ -21,7 +21,7 @@ def test_tables_of_one_spec_share_inside_a_step_and_never_outside():
     spec = RopeSpec(theta=10000.0, dim=16)
     first, second, other = RotaryTable(spec), RotaryTable(spec), RotaryTable(RopeSpec(theta=500.0, dim=16))
     positions, later = torch.tensor([0, 5, 9]), torch.tensor([1, 6, 10])
-    want = first._compute(positions)
+    want = first._compute(positions, 1)
     with rope_step():
         cos, sin = first(positions)
         assert second(positions)[0] is cos and second(positions)[1] is sin  # one computation for the spec
@@ -38,14 +38,27 @@ def test_a_step_does_not_reuse_a_freed_positions_tensors_id():
     table = RotaryTable(RopeSpec(theta=10000.0, dim=8))
     with rope_step():
         seen = [table(torch.tensor([step]))[0] for step in range(50)]  # each temporary freed after its call
-    assert all(torch.equal(cos, table._compute(torch.tensor([step]))[0]) for step, cos in enumerate(seen))
+    assert all(torch.equal(cos, table._compute(torch.tensor([step]), 1)[0]) for step, cos in enumerate(seen))
+
+
+def test_a_rate_rounds_positions_down_and_keys_its_own_table():
+    """A compressed entry's table: its positions rounded down to the rate, shared by the layers of that
+    rate, apart from the plain positions' table."""
+    table = RotaryTable(RopeSpec(theta=160000.0, dim=8))
+    positions = torch.tensor([0, 3, 4, 130, 131])
+    with rope_step():
+        plain, rounded = table(positions), table(positions, 4)
+        assert table(positions, 4)[0] is rounded[0] and plain[0] is not rounded[0]
+        assert table(positions, 128)[0] is not rounded[0]
+    want = table._compute(torch.tensor([0, 0, 4, 128, 128]), 1)
+    assert torch.equal(rounded[0], want[0]) and torch.equal(rounded[1], want[1])
 
 
 def counted_steps(model, monkeypatch, share: bool) -> tuple[list[torch.Tensor], int]:
     """Logits of a prefill and 6 decode steps (4 sequences), and the cos / sin computations they ran."""
     calls = []
     compute = RotaryTable._compute
-    monkeypatch.setattr(RotaryTable, "_compute", lambda self, positions: calls.append(1) or compute(self, positions))
+    monkeypatch.setattr(RotaryTable, "_compute", lambda self, positions, rate: calls.append(1) or compute(self, positions, rate))
     if not share:
         for module in ("models.model", "models.model_v41"):
             monkeypatch.setattr(f"{module}.rope_step", contextlib.nullcontext)

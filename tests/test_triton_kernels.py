@@ -449,6 +449,30 @@ def check_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, seed: 
             turned = x.clone()
             assert in_place(turned, cos, sign * sin) is turned
             assert torch.equal(turned, got if in_place is apply_rope_triton_ or x.is_cuda else want)
+            back = x.clone()  # inverse: the rotation by -sin, without a negated copy
+            assert in_place(back, cos, -sign * sin, inverse=True) is back
+            assert torch.equal(back, turned)
+
+
+def check_rope_table(n: int, half: int, rate: int, seed: int, device: str = DEVICE) -> None:
+    """The table kernel against torch's six operations: positions up to V4's 1M context (large angles:
+    the cosine's range reduction), a YaRN-like scale, negative positions rounded down as torch floors."""
+    from kernels.rope import rope_table_reference, rope_table_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    positions = torch.randint(-rate, 1 << 20, (n,), generator=generator, device=device)
+    inv_freq = 10000.0 ** -(torch.arange(half, device=device, dtype=torch.float32) / half)
+    got = rope_table_triton(positions, inv_freq, 1.25, rate)
+    want = rope_table_reference(positions, inv_freq, 1.25, rate)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == (n, half)
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-6)  # float32 cos / sin: an ulp or two of 1.25
+
+
+def test_rope_table_kernel_equals_the_reference():
+    check_rope_table(37, 32, 1, seed=0)  # rows past a program's last
+    check_rope_table(5, 12, 4, seed=1)  # half not a power of two; a compressed entry's rounding
+    check_rope_table(16, 8, 128, seed=2)
 
 
 def test_rope_kernel_equals_the_reference():
@@ -601,6 +625,11 @@ def check_indexer_scores(batch: int, heads: int, dim: int, per_page: int, width:
     visible = torch.randint(0, width * per_page + 1, (batch,), generator=generator, device=device)
     got = indexer_scores_triton(q, weights, store, tables, visible)
     want = indexer_scores_reference(q, weights, store, tables, visible)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the models' call: q and the weights in the model's dtype, the weights' scale applied by the kernel
+    q16, weights16 = q.to(torch.bfloat16), weights.to(torch.bfloat16)
+    got = indexer_scores_triton(q16, weights16, store, tables, visible, weight_scale=heads**-0.5)
+    want = indexer_scores_reference(q16.float(), weights16.float() * heads**-0.5, store, tables, visible)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
