@@ -33,7 +33,7 @@ from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache, paged_gather, paged_read
 from models.config import ModelConfig
 from models.csa2 import ChunkSelection, SharedCompressor, SharedIndexer, select_candidate_blocks
-from models.layers import RotaryTable, apply_rope, apply_rope_, project_pair
+from models.layers import RotaryTable, apply_rope_, project_pair
 from models.parallel import SINGLE, TensorParallel
 
 
