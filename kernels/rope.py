@@ -143,12 +143,19 @@ if triton is not None:
     @triton.jit
     def _rope_in_place_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, R: tl.constexpr, ROWS: tl.constexpr,
                               INVERSE: tl.constexpr):
-        """Rows [program x ROWS, + ROWS): their last R channels turned in place, `_rope_kernel`'s
-        arithmetic (an explicit fma in both: left to the compiler, the two kernels contracted the sum
-        differently and differed by a bf16 ulp at 128 channels on the H200); INVERSE: by -sin (exact). One warp, and a barrier between the loads and the stores: no lane overwrites a
-        partner channel another lane has yet to read."""
+        """Rows [program x ROWS, + ROWS): their last R channels turned in place (`turn_rows_in_place`)."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = (row < rows)[:, None]
+        turn_rows_in_place(x_ptr, cos_ptr, sin_ptr, row, row < rows, heads, dim, R, INVERSE)
+
+    @triton.jit
+    def turn_rows_in_place(x_ptr, cos_ptr, sin_ptr, row, live, heads, dim, R: tl.constexpr, INVERSE: tl.constexpr):
+        """Rows `row` (int64 [ROWS]; `live` [ROWS]: in range) of x [rows, dim]: their last R channels
+        turned in place by their token's angles (row // heads), `_rope_kernel`'s arithmetic (an explicit
+        fma in both: left to the compiler, the two kernels contracted the sum differently and differed by
+        a bf16 ulp at 128 channels on the H200); INVERSE: by -sin (exact). A barrier between the loads
+        and the stores: no lane overwrites a partner channel another lane has yet to read. The in-place
+        kernel and kernels/norm.py's norm-then-rope kernel share it, so the two give the same bits."""
+        live = live[:, None]
         channel = tl.arange(0, R)
         offsets = row[:, None] * dim + (dim - R) + channel[None, :]
         value = tl.load(x_ptr + offsets, mask=live, other=0.0)

@@ -24,11 +24,12 @@ from kernels.attention import (
     decode_attention_in_place,
 )
 from kernels.batch_invariant import attend_one_query, batch_invariant_active
+from kernels.norm import rms_norm_rope
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import LayerCache, PagedStore, paged_gather, paged_gather_rows, paged_pages, paged_read
 from models.compressor import CompressedSparseCompressor, HeavilyCompressedCompressor, Indexer
 from models.config import CSA, HCA, ModelConfig
-from models.layers import GroupedLinear, RMSNorm, RotaryTable, apply_rope_, project_pair, unweighted_rms_norm
+from models.layers import GroupedLinear, RMSNorm, RotaryTable, apply_rope_, project_pair
 from models.parallel import SINGLE, TensorParallel, mark_shards
 
 
@@ -127,8 +128,8 @@ class Attention(nn.Module):
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
         q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope_(unweighted_rms_norm(q, self.eps), cos, sin)  # in place: the norms' fresh outputs
-        kv = apply_rope_(self.kv_norm(kv), cos, sin)
+        q = rms_norm_rope(q, None, self.eps, cos, sin)  # each norm's output turned where it lies: one kernel
+        kv = rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         return cos, sin, q_residual, q, kv
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

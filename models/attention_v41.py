@@ -19,6 +19,7 @@ from kernels.attention import chunk_attention_applies, chunk_attention_in_place
 from kernels.batch_invariant import batch_invariant_active
 from kernels.index_topk import CandidateBlocks, expand_blocks, indexer_topk, topk_per_query
 from kernels.indexer import indexer_scores
+from kernels.norm import rms_norm_rope
 from models.attention import (
     add_attention_projections,
     attend_decode,
@@ -93,7 +94,7 @@ class SharedCompressedAttention(nn.Module):
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
         q = apply_rope_(self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope_(self.kv_norm(kv), cos, sin))
+        kv = self.quantize_kv(rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin))
         out = torch.empty_like(q)
         for index, chunk in enumerate(batch.chunks):
             rows = chunk.rows
@@ -111,7 +112,7 @@ class SharedCompressedAttention(nn.Module):
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
         q = apply_rope_(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
-        kv = self.quantize_kv(apply_rope_(self.kv_norm(kv), cos, sin))
+        kv = self.quantize_kv(rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin))
         layer = cache.layers[self.layer]
         if self.compressor is not None:
             self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)

@@ -341,6 +341,7 @@ def test_triton_kernels_compiled_equal_their_references(seed):
         check_hc_mixes,
         check_hc_site_and_merge,
         check_rms_norm,
+        check_rms_norm_rope,
         check_router,
     )
 
@@ -358,6 +359,8 @@ def test_triton_kernels_compiled_equal_their_references(seed):
             check_rms_norm((5, 16384), dtype, weighted, seed, device="cuda")  # mHC: 4 streams x 4096
             check_rms_norm((3, 64, 512), dtype, weighted, seed, device="cuda")  # q heads
             check_rms_norm((7, 1500), dtype, weighted, seed, device="cuda")
+            check_rms_norm_rope((3, 64, 512), 64, dtype, weighted, seed, device="cuda")  # V4-Flash q heads
+            check_rms_norm_rope((7, 512), 64, dtype, weighted, seed, device="cuda", strided=True)  # kv beside q_a
 
 
 @pytest.mark.parametrize("n_keys", [1, 200, 640])

@@ -183,6 +183,39 @@ def test_rms_norm_kernel_equals_the_reference(dtype, weighted):
     check_rms_norm((2, 4, 32), dtype, weighted, seed=4, strided=True)
 
 
+def check_rms_norm_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, weighted: bool, seed: int,
+                        device: str = DEVICE, strided: bool = False) -> None:
+    """The norm-then-rope kernel is bitwise the norm kernel followed by the in-place rope kernel, and
+    within the norm's tolerance of the torch ops (per head and per row, a strided input as a paired FP8
+    linear's outputs are)."""
+    from kernels.norm import rms_norm_rope, rms_norm_triton
+    from kernels.rope import apply_rope_reference, apply_rope_triton_
+
+    generator = torch.Generator(device).manual_seed(seed)
+    x = (torch.randn(shape, generator=generator, device=device) * 2).to(dtype)
+    if strided:
+        wide = torch.randn(*shape[:-1], shape[-1] + 3, generator=generator, device=device).to(dtype)
+        wide[..., 1:1 + shape[-1]] = x
+        x = wide[..., 1:1 + shape[-1]]
+    weight = torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
+    angles = torch.rand(shape[0], rope_dim // 2, generator=generator, device=device) * 6
+    cos, sin = angles.cos(), angles.sin()
+    got = rms_norm_triton(x, weight, 1e-6, (cos, sin))
+    assert torch.equal(got, apply_rope_triton_(rms_norm_triton(x, weight, 1e-6), cos, sin))
+    want = apply_rope_reference(rms_norm_reference(x, weight, 1e-6), cos, sin)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    if device == "cuda":  # the dispatch the models call
+        assert torch.equal(rms_norm_rope(x, weight, 1e-6, cos, sin), got)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_rope_kernel_is_the_norm_then_the_rope(weighted):
+    check_rms_norm_rope((3, 4, 32), 8, torch.float32, weighted, seed=1)  # q heads
+    check_rms_norm_rope((5, 1100), 16, torch.bfloat16, weighted, seed=2)  # a kv row of two blocks, the second partial
+    check_rms_norm_rope((2, 64), 64, torch.float32, weighted, seed=3, strided=True)  # every channel turned
+
+
 def check_decode_attention(batch: int, heads: int, n_keys: int, dim: int, dtype: torch.dtype, seed: int,
                            device: str = DEVICE) -> None:
     from kernels.attention import decode_attention_reference, decode_attention_triton
