@@ -97,8 +97,8 @@ def rope_table_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: fl
     cos = torch.empty(n, half, dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)
     if n:
-        _rope_table_kernel[(triton.cdiv(n, TABLE_ROWS),)](
-            positions, inv_freq, cos, sin, n, half, float(scale), rate, ROWS=TABLE_ROWS,
+        _rope_table_kernel[(triton.cdiv(n, TABLE_ROWS),)](  # positions may be strided (a decode graph's input column)
+            positions, inv_freq, cos, sin, n, positions.stride(0), half, float(scale), rate, ROWS=TABLE_ROWS,
             HALF=triton.next_power_of_2(half), num_warps=1,
         )
     return cos, sin
@@ -172,14 +172,14 @@ if triton is not None:
         tl.store(x_ptr + offsets, turned, mask=live)
 
     @triton.jit(do_not_specialize=["n", "rate"])
-    def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, half, scale, rate, ROWS: tl.constexpr,
-                           HALF: tl.constexpr):
+    def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, position_stride, half, scale, rate,
+                           ROWS: tl.constexpr, HALF: tl.constexpr):
         """Positions [program x ROWS, + ROWS): `rope_table_reference`'s float32 operations in its order
         (tl.cos / tl.sin are libdevice's accurate cosf / sinf, as torch's)."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         column = tl.arange(0, HALF)
         live = row < n
-        position = tl.load(positions_ptr + row, mask=live, other=0)
+        position = tl.load(positions_ptr + row * position_stride, mask=live, other=0)
         rounded = position // rate * rate  # C's division truncates: floor it for negative positions as torch does
         position = tl.where(rounded > position, rounded - rate, rounded)
         inv = tl.load(inv_freq_ptr + column, mask=column < half, other=0.0)
