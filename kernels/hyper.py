@@ -77,95 +77,9 @@ def hc_mixes_triton(
 if triton is not None:
 
     @triton.jit
-    def _mixes_into(logits, base_ptr, scale_ptr, pre_out, post_out, comb_out, hc_eps, iters, N: tl.constexpr):
-        """hc_mixes_reference on one token's (2 + N) * N logits read from `logits` (comb[j, k] at logit
-        2N + j * N + k), the mixes written to pre_out [N], post_out [N], comb_out [N, N]: both kernels
-        below run this one body, so they agree bit for bit. N = 4 (every V4 / V4.1 config) runs the
-        scalar body `_mixes4`: its 16 values live in each thread's registers, so Sinkhorn's ~80 dependent
-        sums need no cross-thread reduction (the tensor body's `tl.sum`s are shuffles and barriers)."""
-        if N == 4:
-            _mixes4(logits, base_ptr, scale_ptr, pre_out, post_out, comb_out, hc_eps, iters)
-        else:
-            i = tl.arange(0, N)
-            square = i[:, None] * N + i[None, :]
-            pre, post, comb = _mixes(tl.load(logits + i), tl.load(logits + N + i), tl.load(logits + 2 * N + square),
-                                     base_ptr, scale_ptr, hc_eps, iters, N)
-            tl.store(pre_out + i, pre)
-            tl.store(post_out + i, post)
-            tl.store(comb_out + square, comb)
-
-    @triton.jit
-    def _normalized4(a, b, c, d, eps):
-        """Four values over their sum plus eps, the sum in a 4-wide tl.sum's pairwise order."""
-        total = (a + b) + (c + d) + eps
-        return a / total, b / total, c / total, d / total
-
-    @triton.jit
-    def _softmax4(a, b, c, d, eps):
-        """A row's softmax plus eps, as `_mixes` computes it."""
-        peak = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-        a, b, c, d = tl.exp(a - peak), tl.exp(b - peak), tl.exp(c - peak), tl.exp(d - peak)
-        total = (a + b) + (c + d)
-        return a / total + eps, b / total + eps, c / total + eps, d / total + eps
-
-    @triton.jit
-    def _comb_logit(logits, base_ptr, scale, k: tl.constexpr):
-        return tl.load(logits + 8 + k) * scale + tl.load(base_ptr + 8 + k)
-
-    @triton.jit
-    def _mixes4(logits, base_ptr, scale_ptr, pre_out, post_out, comb_out, hc_eps, iters):
-        """`_mixes` for N = 4 on scalars (c<j><k> is comb[j, k])."""
-        pre_scale, post_scale, comb_scale = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-        for k in tl.static_range(4):
-            tl.store(pre_out + k, tl.sigmoid(tl.load(logits + k) * pre_scale + tl.load(base_ptr + k)) + hc_eps)
-            tl.store(post_out + k, 2 * tl.sigmoid(tl.load(logits + 4 + k) * post_scale + tl.load(base_ptr + 4 + k)))
-        c00, c01, c02, c03 = _softmax4(_comb_logit(logits, base_ptr, comb_scale, 0), _comb_logit(logits, base_ptr, comb_scale, 1),
-                                       _comb_logit(logits, base_ptr, comb_scale, 2), _comb_logit(logits, base_ptr, comb_scale, 3),
-                                       hc_eps)
-        c10, c11, c12, c13 = _softmax4(_comb_logit(logits, base_ptr, comb_scale, 4), _comb_logit(logits, base_ptr, comb_scale, 5),
-                                       _comb_logit(logits, base_ptr, comb_scale, 6), _comb_logit(logits, base_ptr, comb_scale, 7),
-                                       hc_eps)
-        c20, c21, c22, c23 = _softmax4(_comb_logit(logits, base_ptr, comb_scale, 8), _comb_logit(logits, base_ptr, comb_scale, 9),
-                                       _comb_logit(logits, base_ptr, comb_scale, 10),
-                                       _comb_logit(logits, base_ptr, comb_scale, 11), hc_eps)
-        c30, c31, c32, c33 = _softmax4(_comb_logit(logits, base_ptr, comb_scale, 12),
-                                       _comb_logit(logits, base_ptr, comb_scale, 13),
-                                       _comb_logit(logits, base_ptr, comb_scale, 14),
-                                       _comb_logit(logits, base_ptr, comb_scale, 15), hc_eps)
-        c00, c10, c20, c30 = _normalized4(c00, c10, c20, c30, hc_eps)  # columns
-        c01, c11, c21, c31 = _normalized4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _normalized4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _normalized4(c03, c13, c23, c33, hc_eps)
-        for _ in range(iters - 1):
-            c00, c01, c02, c03 = _normalized4(c00, c01, c02, c03, hc_eps)  # rows
-            c10, c11, c12, c13 = _normalized4(c10, c11, c12, c13, hc_eps)
-            c20, c21, c22, c23 = _normalized4(c20, c21, c22, c23, hc_eps)
-            c30, c31, c32, c33 = _normalized4(c30, c31, c32, c33, hc_eps)
-            c00, c10, c20, c30 = _normalized4(c00, c10, c20, c30, hc_eps)  # columns
-            c01, c11, c21, c31 = _normalized4(c01, c11, c21, c31, hc_eps)
-            c02, c12, c22, c32 = _normalized4(c02, c12, c22, c32, hc_eps)
-            c03, c13, c23, c33 = _normalized4(c03, c13, c23, c33, hc_eps)
-        tl.store(comb_out, c00)
-        tl.store(comb_out + 1, c01)
-        tl.store(comb_out + 2, c02)
-        tl.store(comb_out + 3, c03)
-        tl.store(comb_out + 4, c10)
-        tl.store(comb_out + 5, c11)
-        tl.store(comb_out + 6, c12)
-        tl.store(comb_out + 7, c13)
-        tl.store(comb_out + 8, c20)
-        tl.store(comb_out + 9, c21)
-        tl.store(comb_out + 10, c22)
-        tl.store(comb_out + 11, c23)
-        tl.store(comb_out + 12, c30)
-        tl.store(comb_out + 13, c31)
-        tl.store(comb_out + 14, c32)
-        tl.store(comb_out + 15, c33)
-
-    @triton.jit
     def _mixes(pre_l, post_l, comb_l, base_ptr, scale_ptr, hc_eps, iters, N: tl.constexpr):
-        """hc_mixes_reference on one token's logits (pre [N], post [N], comb [N, N]) as tensors: the
-        body `_mixes_into` runs for N other than 4."""
+        """hc_mixes_reference on one token's logits (pre [N], post [N], comb [N, N], comb[j, k] at
+        logit 2N + j * N + k): both kernels below run this one body, so they agree bit for bit."""
         i = tl.arange(0, N)
         square = i[:, None] * N + i[None, :]
         pre = tl.sigmoid(pre_l * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
@@ -183,8 +97,14 @@ if triton is not None:
     def _hc_mixes_kernel(logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr):
         hc_eps = tl.cast(hc_eps, tl.float32)  # Inductor passes Python floats as fp64
         token = tl.program_id(0)
-        _mixes_into(logits_ptr + token * (2 + N) * N, base_ptr, scale_ptr, pre_ptr + token * N, post_ptr + token * N,
-                    comb_ptr + token * N * N, hc_eps, iters, N)
+        row = logits_ptr + token * (2 + N) * N
+        i = tl.arange(0, N)
+        square = i[:, None] * N + i[None, :]
+        pre, post, comb = _mixes(tl.load(row + i), tl.load(row + N + i), tl.load(row + 2 * N + square), base_ptr,
+                                 scale_ptr, hc_eps, iters, N)
+        tl.store(pre_ptr + token * N + i, pre)
+        tl.store(post_ptr + token * N + i, post)
+        tl.store(comb_ptr + token * N * N + square, comb)
 
 
 # programs per token sharing the site projection's n * D reduction, and the columns each reads per
@@ -305,9 +225,8 @@ def hc_site_triton(
     weight = pre if input_norm is None else input_norm.weight.float().contiguous()
     parts = parts or finish_parts(tokens, dim)
     per_part = -(-dim // (parts * MERGE_BLOCK)) * MERGE_BLOCK  # channels a program collapses
-    logits = torch.empty(tokens, (2 + n) * n, dtype=torch.float32, device=device)  # the finish's logits, read back
     _hc_finish_kernel[(tokens, -(-dim // per_part))](
-        partial, logits, base.float().contiguous(), scale.float().contiguous(), streams, given, pre, post, comb, collapsed,
+        partial, base.float().contiguous(), scale.float().contiguous(), streams, given, pre, post, comb, collapsed,
         weight, width, dim, per_part, norm_eps, hc_eps, 0.0 if input_norm is None else input_norm.eps, iters, N=n,
         SPLITS=SITE_SPLITS, OWN_PRE=own, INPUT_NORM=input_norm is not None, BLOCK=MERGE_BLOCK, num_warps=4,
     )
@@ -393,18 +312,16 @@ if triton is not None:
         return tl.sum(weights[:, None] * x, axis=0).to(dtype), d, inside
 
     @triton.jit
-    def _hc_finish_kernel(partial_ptr, logits_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
+    def _hc_finish_kernel(partial_ptr, base_ptr, scale_ptr, streams_ptr, given_ptr, pre_ptr, post_ptr, comb_ptr,
                           collapsed_ptr, weight_ptr, width, dim, per_part, norm_eps, hc_eps, input_eps, iters,
                           N: tl.constexpr, SPLITS: tl.constexpr, OWN_PRE: tl.constexpr, INPUT_NORM: tl.constexpr,
                           BLOCK: tl.constexpr):
-        """Program (token, part): the splits summed, the norm's scale applied, the logits stored to the
-        token's row of logits_ptr and read back by the mixes (`_mixes_into`, which stores them), then
-        channels [part x per_part, + per_part) of the collapse with this site's pre (OWN_PRE, read back)
-        or the given one; with INPUT_NORM the collapse through kernels/norm.py's weighted RMS norm
-        (weight_ptr, input_eps), as `_rms_norm_kernel` computes it from the rounded collapse: a pass over
-        the whole row for its sum of squares, then the part's channels again, scaled. Every part
-        computes the same logits, mixes and sum in the same order and stores the same bits (a program
-        reads back either its own stores or the same values): the bits do not depend on the part count."""
+        """Program (token, part): the splits summed, the norm's scale applied, the mixes (`_mixes`; part 0
+        stores them), then channels [part x per_part, + per_part) of the collapse with this site's pre
+        (OWN_PRE) or the given one; with INPUT_NORM the collapse through kernels/norm.py's weighted RMS
+        norm (weight_ptr, input_eps), as `_rms_norm_kernel` computes it from the rounded collapse: a pass
+        over the whole row for its sum of squares, then the part's channels again, scaled. Every part
+        computes the same mixes and sum in the same order: the bits do not depend on the part count."""
         norm_eps = tl.cast(norm_eps, tl.float32)  # Inductor passes Python floats as fp64
         hc_eps = tl.cast(hc_eps, tl.float32)
         input_eps = tl.cast(input_eps, tl.float32)
@@ -412,24 +329,22 @@ if triton is not None:
         stride = (2 + N) * N + 1
         rows = partial_ptr + token * SPLITS * stride + tl.arange(0, SPLITS)[:, None] * stride
         i = tl.arange(0, N)
+        square = i[:, None] * N + i[None, :]  # comb[j, k] at logit 2N + j * N + k
         squares = tl.sum(tl.load(rows + (2 + N) * N), axis=0)
         inv = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / width + norm_eps)
         pre_l = tl.sum(tl.load(rows + i[None, :]), axis=0) * inv
         post_l = tl.sum(tl.load(rows + N + i[None, :]), axis=0) * inv
         flat = tl.arange(0, N * N)
-        comb_l = tl.sum(tl.load(rows + 2 * N + flat[None, :]), axis=0) * inv
-        logits = logits_ptr + token * (2 + N) * N
-        tl.store(logits + i, pre_l)
-        tl.store(logits + N + i, post_l)
-        tl.store(logits + 2 * N + flat, comb_l)
-        tl.debug_barrier()  # every thread's logits stored before any reads them
-        _mixes_into(logits, base_ptr, scale_ptr, pre_ptr + token * N, post_ptr + token * N, comb_ptr + token * N * N,
-                    hc_eps, iters, N)
+        comb_l = tl.reshape(tl.sum(tl.load(rows + 2 * N + flat[None, :]), axis=0) * inv, (N, N))
+        pre, post, comb = _mixes(pre_l, post_l, comb_l, base_ptr, scale_ptr, hc_eps, iters, N)
         first = tl.program_id(1) * per_part
+        if first == 0:
+            tl.store(pre_ptr + token * N + i, pre)
+            tl.store(post_ptr + token * N + i, post)
+            tl.store(comb_ptr + token * N * N + square, comb)
         last = tl.minimum(first + per_part, dim)
         if OWN_PRE:
-            tl.debug_barrier()
-            weights = tl.load(pre_ptr + token * N + i)
+            weights = pre
         else:
             weights = tl.load(given_ptr + token * N + i)
         base_row = streams_ptr + token.to(tl.int64) * width
