@@ -908,3 +908,19 @@ def test_prefix_tiers_round_trip_on_cuda_is_bitwise(checkpoints, tmp_path, name,
 
     model = load_model(checkpoints[name], device="cuda")
     check_round_trip(model, tmp_path, kv_cache_dtype, kv_hot_tokens, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_kernel_compiled_is_bitwise_the_torch_ops(dtype):
+    """V4.1's simulated FP8 / FP4 roundings as the models call them on CUDA (one kernel each) against the
+    torch ops on the CPU, bit for bit: tests/test_fake_quant.py's inputs (ties, subnormals, zeros, ~40
+    binades) and a V4.1-Flash window row's width."""
+    from kernels.fake_quant import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, fake_quant_fp8_ue8m0
+    from tests.test_fake_quant import _bits, quantizer_inputs
+
+    for seed in range(3):
+        x = quantizer_inputs(dtype, seed)
+        wide = (torch.randn(7, 512, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+        for quantize, block in ((fake_quant_fp8_ue8m0, 32), (fake_quant_fp4_ue8m0, 32), (fake_quant_fp4_e4m3, 16)):
+            for t in (x, wide):
+                assert torch.equal(_bits(quantize(t.cuda(), block).cpu()), _bits(quantize(t, block)))
