@@ -25,17 +25,23 @@ def check_hc_mixes(n: int, tokens: int, seed: int, device: str = DEVICE) -> None
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int, device: str = DEVICE,
-                   strided: bool = False) -> None:
-    """`strided`: x is a column slice of a wider tensor (rows read in place, as a paired FP8 linear's
-    outputs are)."""
-    generator = torch.Generator(device).manual_seed(seed)
+def norm_inputs(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, generator: torch.Generator, device: str,
+                strided: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, float32 weight or None) for a norm kernel; `strided`: x a column slice of a wider tensor."""
     x = (torch.randn(shape, generator=generator, device=device) * 2).to(dtype)
     if strided:
         wide = torch.randn(*shape[:-1], shape[-1] + 5, generator=generator, device=device).to(dtype)
         wide[..., 3:3 + shape[-1]] = x
         x = wide[..., 3:3 + shape[-1]]
-    weight = torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
+    return x, torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
+
+
+def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int, device: str = DEVICE,
+                   strided: bool = False) -> None:
+    """`strided`: x is a column slice of a wider tensor (rows read in place, as a paired FP8 linear's
+    outputs are)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    x, weight = norm_inputs(shape, dtype, weighted, generator, device, strided)
     got, want = rms_norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
     assert got.dtype == want.dtype and got.shape == want.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -192,12 +198,7 @@ def check_rms_norm_rope(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtyp
     from kernels.rope import apply_rope_reference, apply_rope_triton_
 
     generator = torch.Generator(device).manual_seed(seed)
-    x = (torch.randn(shape, generator=generator, device=device) * 2).to(dtype)
-    if strided:
-        wide = torch.randn(*shape[:-1], shape[-1] + 3, generator=generator, device=device).to(dtype)
-        wide[..., 1:1 + shape[-1]] = x
-        x = wide[..., 1:1 + shape[-1]]
-    weight = torch.rand(shape[-1], generator=generator, device=device) + 0.5 if weighted else None
+    x, weight = norm_inputs(shape, dtype, weighted, generator, device, strided)
     angles = torch.rand(shape[0], rope_dim // 2, generator=generator, device=device) * 6
     cos, sin = angles.cos(), angles.sin()
     got = rms_norm_triton(x, weight, 1e-6, (cos, sin))
