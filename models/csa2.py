@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fake_quant_fp4_e4m3, fake_quant_fp4_ue8m0, stable_topk
+from kernels.group_pool import group_pool
 from kernels.index_topk import CandidateBlocks, block_maxima, choose_blocks
 from models.batch import DecodeBatch, SequenceChunk
 from models.cache import SharedStore, paged_write, paged_write_rows
@@ -75,14 +76,11 @@ class SharedCompressor(nn.Module):
         closes = None
         if rate == 1:
             latents = self.kv_norm(self.kv_proj(x))
-        else:
-            slots, ring = batch.slots, store.raw_kv.shape[1]  # ring: rate rows, more with draft rows
-            store.raw_kv[slots, positions % ring] = F.linear(x.float(), self.kv_proj.weight.float())
-            store.raw_gate[slots, positions % ring] = F.linear(x.float(), self.gate_proj.weight.float())
-            rows = (group[:, None] * rate + torch.arange(rate, device=x.device)) % ring  # the group's tokens' rows
-            kv, gate = store.raw_kv[slots[:, None], rows], store.raw_gate[slots[:, None], rows]
-            weights = gate.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
-            latents = self.kv_norm((kv * weights).sum(dim=1).to(x.dtype))
+        else:  # the token into its slot's ring (rate rows, more with draft rows), its group pooled from it
+            kv = F.linear(x.float(), self.kv_proj.weight.float())
+            gate = F.linear(x.float(), self.gate_proj.weight.float())
+            pooled = group_pool(store.raw_kv, store.raw_gate, batch.slots, positions, kv, gate, rate)
+            latents = self.kv_norm(pooled.to(x.dtype))
             closes = (positions + 1) % rate == 0
         cos, sin = rope(positions, rate)  # the group's first position: group * rate
         entries = self._rounded(store.entries, apply_rope(latents, cos, sin))

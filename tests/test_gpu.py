@@ -924,3 +924,10 @@ def test_fake_quant_kernel_compiled_is_bitwise_the_torch_ops(dtype):
         for quantize, block in ((fake_quant_fp8_ue8m0, 32), (fake_quant_fp4_ue8m0, 32), (fake_quant_fp4_e4m3, 16)):
             for t in (x, wide):
                 assert torch.equal(_bits(quantize(t.cuda(), block).cpu()), _bits(quantize(t, block)))
+
+
+def test_group_pool_kernel_compiled_equals_the_reference():
+    from tests.test_triton_kernels import check_group_pool
+
+    check_group_pool(batch=33, dim=512, rate=4, ring=4, seed=0, device="cuda")  # V4.1-Flash's CSA2 width
+    check_group_pool(batch=3, dim=512, rate=128, ring=131, seed=1, device="cuda")  # a long group, draft rows

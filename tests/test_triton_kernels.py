@@ -1087,3 +1087,29 @@ def test_indexer_scores_kernel_equals_the_torch_path():
     # float16 stands for the half-precision dots here (the interpreter's bfloat16 dots are wrong)
     check_masked_scores(n=70, heads=3, dim=16, total=150, first=0, dtype=torch.float16, seed=0)
     check_masked_scores(n=9, heads=2, dim=32, total=40, first=25, dtype=torch.float16, seed=1)
+
+
+def check_group_pool(batch: int, dim: int, rate: int, ring: int, seed: int, device: str = DEVICE) -> None:
+    """V4.1's decode group pooling (ring write + per-channel softmax over the group's tokens) against the
+    torch ops: rings of rate rows and with draft rows, positions anywhere in a group, slots and positions
+    read from strided columns (a decode graph's input rows); the rings must end the same too."""
+    from kernels.group_pool import group_pool_reference, group_pool_triton
+
+    generator = torch.Generator(device).manual_seed(seed)
+    raw_kv = torch.randn(batch + 2, ring, dim, generator=generator, device=device)
+    raw_gate = torch.randn(batch + 2, ring, dim, generator=generator, device=device) * 3
+    inputs = torch.stack([torch.randperm(batch + 2, generator=generator, device=device)[:batch],
+                          torch.randint(0, 5 * rate, (batch,), generator=generator, device=device)], dim=1)
+    slots, positions = inputs[:, 0], inputs[:, 1]
+    kv = torch.randn(batch, dim, generator=generator, device=device)
+    gate = torch.randn(batch, dim, generator=generator, device=device)
+    rings = (raw_kv.clone(), raw_gate.clone())
+    got = group_pool_triton(*rings, slots, positions, kv, gate, rate)
+    want = group_pool_reference(raw_kv, raw_gate, slots, positions, kv, gate, rate)
+    assert torch.equal(rings[0], raw_kv) and torch.equal(rings[1], raw_gate)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_pool_kernel_equals_the_reference():
+    check_group_pool(batch=3, dim=80, rate=4, ring=4, seed=0)  # a partial channel block
+    check_group_pool(batch=2, dim=64, rate=3, ring=6, seed=1)  # a rate padded to 4; draft rows in the ring
