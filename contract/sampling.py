@@ -88,16 +88,19 @@ class SamplingParams:
         until min_tokens tokens are out (`for_draw` adds the eos ids while that holds)."""
         return self.stop_token_ids if draw_index < self.min_tokens else ()
 
+    def reshapes_at(self, draw_index: int) -> bool:
+        """Something changes the logits the draw at `draw_index` sees (logit_bias, the min_tokens ban, a
+        penalty, allowed_token_ids, bad_words, a grammar). The one place that lists it: a new sampling
+        field that reshapes the draw joins it here. A method rather than a property because the ban
+        depends on the draw index, and a multi-token step draws several indices of one request."""
+        return bool(self.logit_bias or self.banned_at(draw_index) or self.penalizes_output or self.allowed_token_ids
+                    or self.bad_words or self.structured is not None)
+
     def plain_at(self, draw_index: int) -> bool:
         """The draw at `draw_index` is plain: the raw logits' argmax with only its own logprob to report
-        (greedy; no logit_bias, min_tokens ban or penalty reshapes the logits; no top logprobs). A step
-        whose rows are all plain is one argmax (worker/sampler.py). The one place that lists what makes
-        a draw not plain: a new sampling field that reshapes the draw joins it here. A method rather
-        than a property because the ban depends on the draw index, and a multi-token step draws
-        several indices of one request."""
-        reshaped = (self.logit_bias or self.banned_at(draw_index) or self.penalizes_output or self.allowed_token_ids
-                    or self.bad_words or self.structured is not None)
-        return self.greedy and not (reshaped or self.logprobs)
+        (greedy; nothing reshapes the logits; no top logprobs). A step whose rows are all plain is one
+        argmax (worker/sampler.py)."""
+        return self.greedy and not (self.reshapes_at(draw_index) or self.logprobs)
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidSamplingParams for a request the sampler cannot run: a float outside vLLM's

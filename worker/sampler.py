@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -77,6 +78,11 @@ class DrawRow:
         """The draw is the raw argmax (`SamplingParams.plain_at`). The bitmask is the chunk's, not the
         params', so it is checked here too: a row given one is masked whatever its params say."""
         return self.params.plain_at(self.draw_index) and not self.token_bitmask
+
+    @property
+    def reshaped(self) -> bool:
+        """Something changes the logits this draw sees (`SamplingParams.reshapes_at`, or a bitmask)."""
+        return self.params.reshapes_at(self.draw_index) or bool(self.token_bitmask)
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int | None) -> TokenLogprob:
@@ -170,7 +176,10 @@ def _adjusted(logits: torch.Tensor, rows: Sequence[DrawRow]) -> torch.Tensor:
     """The logits the draws use, in vLLM's order: the masks (grammar bitmask, allowed_token_ids,
     bad_words), logit_bias, the min_tokens ban, then penalties. Each touches only the rows that ask for
     it; the others keep their logits bit for bit. A masked token stays -inf through the later steps
-    (a finite bias, a positive penalty factor or a finite subtraction leave -inf as it is)."""
+    (a finite bias, a positive penalty factor or a finite subtraction leave -inf as it is). With no row
+    reshaped, the raw logits themselves (read only after this: no copy)."""
+    if not any(row.reshaped for row in rows):
+        return logits
     logits = logits.clone()
     _mask_bitmask(logits, rows)
     _allow_only(logits, rows)
@@ -263,24 +272,24 @@ def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow], seed: int) -> tuple[t
     and whether it could be drawn. A greedy row's argmax lands on a NaN or +inf if it has one (or on
     -inf if every token is), so its chosen logit is finite exactly when the row is usable; a drawn row
     needs every probability finite, and one that has not draws from token 0's one-hot instead."""
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not greedy and all(row.params.seed is None for row in rows):  # the common sampled step: no row indexing
+        probs = _drawable_probs(_filtered(adjusted, [row.params for row in rows]).softmax(-1))
+        return torch.multinomial(probs.probs, 1, generator=_step_generator(probs.probs.device, seed))[:, 0], probs.finite
     tokens = torch.empty(len(rows), dtype=torch.long, device=adjusted.device)
     drawable = torch.empty(len(rows), dtype=torch.bool, device=adjusted.device)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
         at = _index(adjusted, greedy)
         picked = adjusted[at]
         best = torch.argmax(picked, dim=-1)
         tokens[at] = best
         drawable[at] = torch.isfinite(picked.gather(1, best[:, None])[:, 0])
-    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         at = _index(adjusted, drawn)
-        probs = _filtered(adjusted[at], [rows[i].params for i in drawn]).softmax(-1)
-        finite = torch.isfinite(probs).all(dim=-1)
-        drawable[at] = finite
-        first_token = torch.zeros_like(probs)
-        first_token[:, 0] = 1.0
-        probs = torch.where(finite[:, None], probs, first_token)
+        drawable_probs = _drawable_probs(_filtered(adjusted[at], [rows[i].params for i in drawn]).softmax(-1))
+        drawable[at] = drawable_probs.finite
+        probs = drawable_probs.probs
         unseeded = []
         for j, i in enumerate(drawn):
             params = rows[i].params
@@ -290,14 +299,40 @@ def _draw(adjusted: torch.Tensor, rows: Sequence[DrawRow], seed: int) -> tuple[t
                 generator = _seeded(probs.device, params.seed, rows[i].draw_index)
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
         if unseeded:
-            generator = torch.Generator(device=probs.device)
-            if seed:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()
+            generator = _step_generator(probs.device, seed)
             picked = probs if len(unseeded) == len(drawn) else probs[_index(probs, unseeded)]
             tokens[_index(tokens, [drawn[j] for j in unseeded])] = torch.multinomial(picked, 1, generator=generator)[:, 0]
     return tokens, drawable
+
+
+class DrawableProbs(NamedTuple):
+    """A step's filtered distributions, with the rows that are not finite replaced by token 0's one-hot
+    (`finite` False there) so that no draw kernel sees a NaN."""
+
+    probs: torch.Tensor
+    finite: torch.Tensor
+
+
+_FIRST_TOKEN: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _drawable_probs(probs: torch.Tensor) -> DrawableProbs:
+    finite = torch.isfinite(probs).all(dim=-1)
+    key = (probs.device, probs.dtype, probs.shape[-1])
+    if key not in _FIRST_TOKEN:  # token 0's one-hot row, made once per device and vocabulary
+        _FIRST_TOKEN[key] = torch.zeros(1, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        _FIRST_TOKEN[key][0, 0] = 1.0
+    return DrawableProbs(torch.where(finite[:, None], probs, _FIRST_TOKEN[key]), finite)
+
+
+def _step_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The unseeded rows' generator: seeded by the plan's draw seed when it has one, else fresh."""
+    generator = torch.Generator(device=device)
+    if seed:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator
 
 
 def _seeded(device: torch.device, seed: int, draw_index: int) -> torch.Generator:
