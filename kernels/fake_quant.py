@@ -30,6 +30,10 @@ except ImportError:  # CPU-only installs: the reference path runs
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+# the smallest amax each format's scale is taken from (the torch ops' clamp_min and the kernel's FLOOR)
+FP8_UE8M0_FLOOR = 1e-4
+FP4_UE8M0_FLOOR = FP4_MAX * 2.0**-126
+FP4_E4M3_FLOOR = FP4_MAX * 2.0**-9
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -81,6 +85,9 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
 
 
 FP8_UE8M0, FP4_UE8M0, FP4_E4M3 = 0, 1, 2  # the kernel's FORMAT
+# per FORMAT: (the clamp of the scaled values, the amax floor)
+_FORMAT_LIMITS = {FP8_UE8M0: (FP8_MAX, FP8_UE8M0_FLOOR), FP4_UE8M0: (FP4_MAX, FP4_UE8M0_FLOOR),
+                  FP4_E4M3: (FP4_MAX, FP4_E4M3_FLOOR)}
 
 
 def _fused(x: torch.Tensor, block: int) -> bool:
@@ -95,7 +102,7 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     blocks = _blocks(x, block)
     if blocks is None:
         return x
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_UE8M0_FLOOR)
     scale = pow2_ceil(amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32))
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (q * scale).reshape(x.shape).to(x.dtype)
@@ -104,14 +111,14 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def fp4_ue8m0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E2M1 values, power-of-two scales [..., 1]) of float32 blocks [..., n, block]; shared with the
     packer (kernels/kv_pack.py), so packed and simulated values are the same numbers."""
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_UE8M0_FLOOR)
     scale = pow2_ceil(amax * torch.tensor(1 / FP4_MAX, dtype=torch.float32))
     return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)), scale
 
 
 def fp4_e4m3_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E2M1 values, float8_e4m3fn-valued float32 scales [..., 1]) of float32 blocks [..., n, block]."""
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-9)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_E4M3_FLOOR)
     scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).float()
     return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)), scale
 
@@ -146,12 +153,14 @@ def fake_quant_triton(x: torch.Tensor, block: int, fmt: int) -> torch.Tensor:
     out = torch.empty_like(rows)
     n = rows.shape[0]
     if n:
+        top, floor = _FORMAT_LIMITS[fmt]
         _fake_quant_kernel[(triton.cdiv(n, BLOCKS_PER_PROGRAM),)](
-            rows, out, n, FORMAT=fmt, BLOCK=block, ROWS=BLOCKS_PER_PROGRAM, num_warps=4)
+            rows, out, n, FORMAT=fmt, TOP=top, FLOOR=floor, BLOCK=block, ROWS=BLOCKS_PER_PROGRAM, num_warps=4)
     return out.view(x.shape)
 
 
 if triton is not None:
+    _E4M3_MAX = tl.constexpr(FP8_MAX)  # a jit function reads only constexpr globals
 
     @triton.jit
     def _pow2_ceil(y):
@@ -176,7 +185,7 @@ if triton is not None:
         exponent = (bits >> 23) & 0xFF
         # normal: the ulp of 2 ** (e + 20) is e's quantum 2 ** (e - 3); below 2 ** -6 a fixed 2 ** -9 (2 ** 14's ulp)
         rounded = _round_to_quantum(magnitude, tl.where(exponent < 121, 141, exponent + 20))
-        rounded = tl.minimum(rounded, 448.0)
+        rounded = tl.minimum(rounded, _E4M3_MAX)
         return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -188,7 +197,8 @@ if triton is not None:
         return tl.where((v < 0) & (rounded > 0), -rounded, rounded)
 
     @triton.jit
-    def _fake_quant_kernel(x_ptr, out_ptr, n, FORMAT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _fake_quant_kernel(x_ptr, out_ptr, n, FORMAT: tl.constexpr, TOP: tl.constexpr, FLOOR: tl.constexpr,
+                           BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """Blocks [program x ROWS, + ROWS) of x [n, BLOCK]: amax, scale, divide, clamp, round, times the
         scale, cast back: the reference's float32 operations in its order."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -197,20 +207,13 @@ if triton is not None:
         x = tl.load(x_ptr + offsets, mask=live, other=0.0)
         blocks = x.to(tl.float32)
         amax = tl.max(tl.abs(blocks), axis=1)
-        if FORMAT == 0:  # fp8_ue8m0
-            amax = tl.where(amax < 1e-4, 1e-4, amax)
-            scale = _pow2_ceil(amax * (1.0 / 448.0))
-            top = 448.0
-        elif FORMAT == 1:  # fp4_ue8m0
-            amax = tl.where(amax < 6.0 * 2.0**-126, 6.0 * 2.0**-126, amax)
-            scale = _pow2_ceil(amax * (1.0 / 6.0))
-            top = 6.0
-        else:  # fp4_e4m3
-            amax = tl.where(amax < 6.0 * 2.0**-9, 6.0 * 2.0**-9, amax)
-            scale = _e4m3(amax / 6.0)
-            top = 6.0
+        amax = tl.where(amax < FLOOR, FLOOR, amax)
+        if FORMAT == 2:  # fp4_e4m3: an e4m3 scale
+            scale = _e4m3(amax / TOP)
+        else:  # a power of two
+            scale = _pow2_ceil(amax * (1.0 / TOP))
         v = blocks / scale[:, None]
-        v = tl.minimum(tl.maximum(v, -top), top)
+        v = tl.minimum(tl.maximum(v, -TOP), TOP)
         if FORMAT == 0:
             q = _e4m3(v)
         else:

@@ -39,8 +39,8 @@ def group_pool_reference(raw_kv: torch.Tensor, raw_gate: torch.Tensor, slots: to
     ring = raw_kv.shape[1]
     raw_kv[slots, positions % ring] = kv
     raw_gate[slots, positions % ring] = gate
-    rows = (positions // rate * rate)[:, None] + torch.arange(rate, device=kv.device)  # the group's tokens
-    grouped_kv, grouped_gate = raw_kv[slots[:, None], rows % ring], raw_gate[slots[:, None], rows % ring]
+    rows = ((positions // rate * rate)[:, None] + torch.arange(rate, device=kv.device)) % ring  # the group's tokens
+    grouped_kv, grouped_gate = raw_kv[slots[:, None], rows], raw_gate[slots[:, None], rows]
     weights = grouped_gate.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # over the group's tokens
     return (grouped_kv * weights).sum(dim=1)
 
