@@ -369,7 +369,7 @@ def _memory_plan(config: "ServeConfig", model, device: str, max_len: int) -> Mem
     )
     workspace = profile_workspace(probe, sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
     if probe.graphs is not None:  # the decode graphs' pool: the real runner captures the same buckets
-        workspace += probe.graphs.pool_bytes
+        workspace += probe.graphs.pool_bytes + probe.proposer_graph_bytes
     for buffer in (probe.logits, probe.last_logits):  # the runner's logits buffers
         if buffer is not None:
             workspace += buffer.numel() * buffer.element_size()

@@ -66,8 +66,20 @@ class MTPLayer(nn.Module):
     def decode(self, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per sequence (streams [B, hc_mult, D], as `forward`'s): (float32 logits [B, vocab],
         output streams [B, hc_mult, D]). Reads no value on the host, so a CUDA graph can capture it."""
-        x = self.block(self._inputs(streams, batch.token_ids), batch, cache, self.index)
+        x = self.advance(streams, batch, cache)
         return self._logits(x, None), x
+
+    @torch.inference_mode()
+    def advance(self, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache) -> torch.Tensor:
+        """`decode` without the head: the output streams of a decode batch's rows (a verify batch's
+        `waves` rows a sequence too), appended to the layer's state. Only the rows that draft need
+        logits (`draft_logits`): the head reads the whole vocabulary's weights."""
+        return self.block(self._inputs(streams, batch.token_ids), batch, cache, self.index)
+
+    @torch.inference_mode()
+    def draft_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of output streams [rows, hc_mult, D] (`advance`'s)."""
+        return self._logits(streams, None)
 
     def _inputs(self, streams: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         embed, _ = self.shared

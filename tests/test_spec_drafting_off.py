@@ -476,7 +476,7 @@ def test_held_rows_are_a_requests_even_where_another_continues_their_positions(m
 
 def test_the_held_rows_are_counted_with_the_proposers_bytes(mtp_model):
     """The buffer is PROBE_EVERY + K - 1 rows of the target's streams a slot, and the proposer's bytes, the
-    engine's and the plan's, count it to the byte."""
+    engine's and the plan's, count it (and the layer's cache, with its scratch slot) to the byte."""
     config, slots = mtp_model.config, 5
     assert PROBE_EVERY_STEPS == PROBE_EVERY and held_rows(MTP_K) == PROBE_EVERY + MTP_K - 1
     proposer = MTPProposer(mtp_model, num_slots=slots, max_model_len=MAX_LEN, k=MTP_K)
@@ -484,7 +484,8 @@ def test_the_held_rows_are_counted_with_the_proposers_bytes(mtp_model):
     held = slots * held_rows(MTP_K) * config.hc_mult * config.hidden_size * 4  # float32
     assert proposer.device_bytes() == proposer.cache.nbytes() + held
     assert mtp_proposer_bytes(config, slots, MAX_LEN, MTP_K, torch.float32) == proposer.device_bytes()
-    half = allocate_mtp_cache(config, slots, MAX_LEN, dtype=torch.bfloat16, device="meta", draft_tokens=MTP_K)
+    assert proposer.cache.num_slots == slots + 1  # the draft graphs' scratch slot
+    half = allocate_mtp_cache(config, slots + 1, MAX_LEN, dtype=torch.bfloat16, device="meta", draft_tokens=MTP_K)
     assert mtp_proposer_bytes(config, slots, MAX_LEN, MTP_K, torch.bfloat16) == half.nbytes() + held // 2
 
 

@@ -41,7 +41,9 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -51,6 +53,7 @@ log = logging.getLogger("ds4serve.worker")
 
 TOKEN, POSITION, SLOT, DRAW_ROW, PAGES = 0, 1, 2, 3, 4  # columns of the input buffer
 FIRST_WIDTH_TOKENS = 4096
+Key = TypeVar("Key", bound=Hashable)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -78,6 +81,30 @@ class DecodeRow:
     position: int
     pages: tuple[int, ...]
     draw_row: int = -1
+
+
+def capture_graphs(keys: list[Key], body: Callable[[Key], torch.Tensor]
+                   ) -> tuple[dict[Key, torch.cuda.CUDAGraph], dict[Key, torch.Tensor], int]:
+    """Runs `body(key)` for every key eagerly on a side stream (its lazy allocations and kernel compiles
+    happen outside any graph), then captures each in `keys`' order into one memory pool (largest first:
+    the smaller ones reuse its blocks). Returns (graphs, their outputs, the bytes the capture reserved)."""
+    reserved = torch.cuda.memory_reserved()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for key in keys:
+            body(key)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    for key in keys:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[key] = body(key)
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs, torch.cuda.memory_reserved() - reserved
 
 
 class DecodeGraphs:
@@ -145,22 +172,8 @@ class DecodeGraphs:
         self._fill_padding(0, self.inputs.shape[0])
         self.inputs.copy_(self.staging)
         keys = [(size, width, waves) for waves in self.waves for width in self.widths for size in self.sizes]
-        reserved = torch.cuda.memory_reserved()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for key in keys:
-                self.decode_eagerly(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
-        for key in sorted(keys, key=lambda k: (k[0] * k[2], k[1]), reverse=True):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.decode_eagerly(*key)
-            self.graphs[key] = graph
-        torch.cuda.synchronize()
-        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+        largest_first = sorted(keys, key=lambda k: (k[0] * k[2], k[1]), reverse=True)
+        self.graphs, self.outputs, self.pool_bytes = capture_graphs(largest_first, lambda key: self.decode_eagerly(*key))
         log.info("captured %d decode graphs (batch %s x table width %s pages x waves %s), %.1f MiB",
                  len(self.graphs), self.sizes, self.widths, self.waves, self.pool_bytes / 2**20)
 

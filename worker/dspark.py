@@ -74,6 +74,9 @@ class DSparkProposer:
     def device_bytes(self) -> int:
         return self.rings.numel() * self.rings.element_size()
 
+    def capture_graphs(self) -> int:
+        return 0  # its taps come from the eager forward, so its runner captures no graphs
+
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         taps, positions, slots, blocks = [], [], [], []
         window = self.rings.shape[2]

@@ -37,6 +37,7 @@ from models import DecodeBatch, DeepseekV4, ForwardBatch, ModelConfig
 from models.mtp import allocate_mtp_cache, greedy_drafts
 from models.transfer import on_device
 from worker.dspark import DSparkProposer
+from worker.mtp_graphs import DraftRows, MTPDraftSteps
 
 PROPOSER_METHODS = ("mtp", "ngram", "dspark")
 
@@ -79,6 +80,12 @@ class DraftProposer(Protocol):
         by the slots): the memory plan counts it with the slots' fixed state, so KV pages never take it."""
         ...
 
+    def capture_graphs(self) -> int:
+        """Captures the proposer's drafting as CUDA graphs (a runner whose decode steps replay graphs calls
+        it once, after capturing its own); returns the device bytes that took (the memory plan's
+        workspace counts them): 0 where the proposer drafts eagerly."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup over each slot's tokens, as this runner computed them (a prefix-cache hit's cached
@@ -96,6 +103,9 @@ class NgramProposer:
 
     def device_bytes(self) -> int:
         return 0  # the histories are host lists
+
+    def capture_graphs(self) -> int:
+        return 0  # a host lookup
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         drafts = {}
@@ -172,6 +182,12 @@ class MTPProposer:
     prefix-cache point exactly at their end), so no stale row ever reaches the layer. Nothing on this path reads the device from the host. The
     buffer is device memory beside the cache (`device_bytes`, `mtp_proposer_bytes`): on V4-Flash (hc_mult
     4, hidden 4096, bf16) 32 KiB a row, 544 KiB a slot at K = 2, where the layer's own cache is ~130 KiB.
+
+    On a runner that replays CUDA graphs (`capture_graphs`), a step's decode chunks whose slots hold no rows
+    draft through graphs of fixed shape (worker/mtp_graphs.py: their rows as a verify batch, the head at
+    each last standing row, the chain), when one of them drafts next; the rest of the step (prompt
+    chunks, slots with held rows) runs the eager path above. The cache has one slot more than the
+    requests', which those graphs' scratch rows write.
     """
 
     needs_streams = True
@@ -183,18 +199,58 @@ class MTPProposer:
         self.layer = model.mtp[0]
         self.k = k
         dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
-        self.cache = allocate_mtp_cache(model.config, num_slots, max_model_len, dtype=dtype, device=device,
+        # one slot more than the requests': the static draft steps' scratch rows write it
+        self.cache = allocate_mtp_cache(model.config, num_slots + 1, max_model_len, dtype=dtype, device=device,
                                         draft_tokens=k)
-        config = model.config
+        config = self.config = model.config
         self.held_streams = torch.zeros(num_slots, held_rows(k), config.hc_mult, config.hidden_size, dtype=dtype,
                                         device=device)
         self._held: list[_Held | None] = [None] * num_slots
+        self.steps: MTPDraftSteps | None = None
 
     def device_bytes(self) -> int:
         held = self.held_streams
         return self.cache.nbytes() + held.numel() * held.element_size()
 
+    def use_static_steps(self) -> MTPDraftSteps:
+        """From now on a step's decode chunks draft through fixed-shape steps (worker/mtp_graphs.py), run
+        eagerly until `capture_graphs` captures them."""
+        num_slots = len(self._held)
+        self.steps = MTPDraftSteps(self.layer, self.cache, self.config, num_slots, self.k, scratch_slot=num_slots)
+        return self.steps
+
+    def capture_graphs(self) -> int:
+        reserved = torch.cuda.memory_reserved()
+        self.use_static_steps().capture()
+        return torch.cuda.memory_reserved() - reserved
+
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
+        static = self._static(computed)
+        drafts = self._propose_static(static) if static else {}
+        if len(static) < len(computed):
+            taken = {id(item) for item in static}
+            drafts |= self._propose_eager([item for item in computed if id(item) not in taken])
+        return drafts
+
+    def _static(self, computed: list[ComputedChunk]) -> list[ComputedChunk]:
+        """The chunks the static steps draft after: decode chunks (one token and its verified drafts) that
+        sampled, whose slot holds no rows, when one of them drafts next (else they all wait in the held
+        rows, which is cheaper than a replay)."""
+        if self.steps is None:
+            return []
+        static = [item for item in computed
+                  if item.streams is not None and item.next_token is not None and len(item.chunk.token_ids) == 1
+                  and item.kept <= self.steps.waves and self._held[item.chunk.slot] is None]
+        return static if any(item.chunk.draft_next for item in static) else []
+
+    def _propose_static(self, items: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
+        assert self.steps is not None
+        sequences = [DraftRows(item.chunk.slot, item.chunk.position, (*item.forwarded[1: item.kept], item.next_token),
+                               item.streams[: item.kept]) for item in items]
+        drafts = self.steps.draft(sequences)
+        return {item.chunk.request_id: tuple(row) for item, row in zip(items, drafts) if item.chunk.draft_next}
+
+    def _propose_eager(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         sequences, inputs, sampling, holds = [], [], [], []
         for item in computed:
             if item.streams is None:  # nothing forwarded (a whole prompt cached)
@@ -272,7 +328,8 @@ class MTPProposer:
 def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len: int, k: int, dtype: torch.dtype) -> int:
     """MTPProposer.device_bytes() for a model of `model_config` without building it (the layer's cache
     on the meta device, and the held rows): what `python -m server plan` counts."""
-    cache = allocate_mtp_cache(model_config, num_slots, max_model_len, dtype=dtype, device="meta", draft_tokens=k)
+    cache = allocate_mtp_cache(model_config, num_slots + 1, max_model_len, dtype=dtype, device="meta",
+                               draft_tokens=k)  # the scratch slot too
     held = num_slots * held_rows(k) * model_config.hc_mult * model_config.hidden_size * dtype.itemsize
     return cache.nbytes() + held
 

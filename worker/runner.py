@@ -38,7 +38,8 @@ puts the look-back it had before back, advanced over the tokens that stand (Engr
 reported as ChunkResult.proposed (none after a chunk whose `draft_next` is off: the proposer then only
 keeps its own state; StepResult counts its draft steps run and skipped). With graphs, verify chunks
 replay verify graphs (worker/cuda_graphs.py: 1 + draft_tokens rows a sequence, wave-major, a step's
-plain decodes padded alongside), which also keep the streams an MTP proposer reads; V4.1's drafting
+plain decodes padded alongside), which also keep the streams an MTP proposer reads, and the MTP
+proposer drafts after a step's decode chunks by graphs of its own (worker/mtp_graphs.py); V4.1's drafting
 steps run eagerly (its decode path takes one row a sequence).
 """
 
@@ -212,6 +213,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page,
                                        waves=verify_waves, keep_streams=self._keeps_streams)
             self.graphs.capture()
+        # the proposer's drafting graphs (the MTP layer's), beside the decode graphs' pool in the memory plan
+        self.proposer_graph_bytes = proposer.capture_graphs() if graphs and proposer is not None else 0
         rows = max(max_logit_rows, num_slots)
         self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
         # with a prefix cache: each slot's logits of its last sampled position, part of the slot's state,
