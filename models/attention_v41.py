@@ -107,7 +107,10 @@ class SharedCompressedAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, cache: ModelCache, selection: ChunkSelection) -> torch.Tensor:
         """One token per sequence with shapes fixed by the batch (capturable): the window ring's rows,
-        then the entries the latest index source picked, through the decode attention kernel."""
+        then the entries the latest index source picked, through the decode attention kernel. A verify
+        batch (`batch.waves`) updates its kv source's open groups wave by wave (a slot's later row pools
+        the ring rows its earlier ones wrote), then scores and attends every row at once: a row sees only
+        the keys, entries and ring rows its position makes visible."""
         cos, sin = self.rope(batch.positions)
         q_low, kv = project_pair(x, self.q_a_proj, self.kv_proj)
         q_residual = self.q_a_norm(q_low)
@@ -115,7 +118,10 @@ class SharedCompressedAttention(nn.Module):
         kv = self.quantize_kv(rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin))
         layer = cache.layers[self.layer]
         if self.compressor is not None:
-            self.compressor.decode_update(x, batch, layer.shared, self.rope, self.key_maker)
+            n = x.shape[0] // batch.waves
+            for j in range(batch.waves):
+                self.compressor.decode_update(x[j * n: (j + 1) * n], batch.wave(j), layer.shared, self.rope,
+                                              self.key_maker)
         if self.indexer is not None:
             self._decode_select(x, q_residual, batch, cache, selection, cos, sin)
         window_append(batch, kv, layer.window)

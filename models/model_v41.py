@@ -148,15 +148,21 @@ class DeepseekV41(nn.Module):
                 streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
         return self.lm_head(self.model.norm(collapse(pre, streams))).float()
 
-    def engram_rows(self, slots: list[int], token_ids: list[int], positions: list[int], cache: ModelCache) -> list[torch.Tensor]:
-        """The Engram rows of one decode step (one token per slot), per Engram layer, on the model's
-        device; advances each slot's look-back in the cache (call once per step)."""
+    def engram_rows(self, slots: list[int] | torch.Tensor, token_ids: list[int] | torch.Tensor,
+                    positions: list[int] | torch.Tensor, cache: ModelCache, waves: int = 1) -> list[torch.Tensor]:
+        """The Engram rows of one decode step (one token per slot; a verify step's `waves` rows a slot,
+        wave-major, hashed wave by wave: a row's n-grams end in its slot's earlier rows), per Engram
+        layer, on the model's device; advances each slot's look-back in the cache (call once per step)."""
         if self.config.engram is None:
             return []
         if self.engram_memory is None:
             raise RuntimeError("this V4.1 checkpoint has Engram layers but no Engram memory was attached")
-        step = self.engram_memory.start(self.engram_memory.step_row_ids(slots, token_ids, positions, cache.engram_context))
-        return [self.engram_memory.rows(step, i) for i in range(len(self.config.engram.layer_ids))]
+        memory, context = self.engram_memory, cache.engram_context
+        n = len(slots) // waves
+        ids = [memory.step_row_ids(slots[j * n: (j + 1) * n], token_ids[j * n: (j + 1) * n],
+                                   positions[j * n: (j + 1) * n], context) for j in range(waves)]
+        step = memory.start(ids[0] if waves == 1 else torch.cat(ids))
+        return [memory.rows(step, i) for i in range(len(self.config.engram.layer_ids))]
 
     def _engram_step(self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None) -> EngramStep | None:
         """The step's Engram reads, started before the first layer runs (None without Engram layers)."""

@@ -837,6 +837,17 @@ def test_verify_batch_on_the_decode_path_is_the_chunk_of_its_tokens():
     check_verify_batch("cuda", dict(rtol=2e-3, atol=2e-3))
 
 
+def test_v41_verify_batch_on_the_decode_path_is_the_chunk_of_its_tokens(checkpoints):
+    """The same for V4.1 (tests/test_verify_decode.py): the group-pool kernel runs wave by wave (its
+    programs would race on a slot's ring rows otherwise), the Engram rows hashed on the device wave by
+    wave by the hashing kernel."""
+    from models import load_model
+    from tests.test_verify_decode import check_verify_batch_v41
+
+    model = load_model(checkpoints["v41"], device="cuda", simulate_quantization=False)
+    check_verify_batch_v41(model, "cuda", dict(rtol=2e-3, atol=2e-3))
+
+
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_verify_graphs_emit_plain_greedys_tokens(method):
     """A graphed runner with draft rows verifies on its verify graphs (1 + 3 rows a sequence, wave-major;

@@ -22,18 +22,19 @@ SCRATCH = 2  # the scratch slot; its page is the last one
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
-def verify_rows(sequences: list[tuple[int, list[int], int]], cache: ModelCache, device: str) -> DecodeBatch:
+def verify_rows(sequences: list[tuple[int, list[int], int]], cache: ModelCache, device: str,
+                width: int = WIDTH) -> DecodeBatch:
     """sequences: (slot, forwarded tokens, first position); wave-major rows, short ones padded."""
     waves = DRAFTS + 1
-    scratch_pages = [cache.num_pages - 1] * WIDTH
+    scratch_pages = [cache.num_pages - 1] * width
     rows = []
     for j in range(waves):
         for slot, tokens, position in sequences:
             if j < len(tokens):
-                rows.append((slot, tokens[j], position + j, cache.default_pages(slot).tolist()[:WIDTH]))
+                rows.append((slot, tokens[j], position + j, cache.default_pages(slot).tolist()[:width]))
             else:
                 rows.append((SCRATCH, 0, j, scratch_pages))
-    built = DecodeBatch.build(rows, width=WIDTH, device=device)
+    built = DecodeBatch.build(rows, width=width, device=device)
     return DecodeBatch(built.token_ids, built.positions, built.slots, built.block_tables, waves=waves)
 
 
@@ -75,5 +76,56 @@ def check_verify_batch(device: str, tolerance: dict) -> None:
         batch = DecodeBatch.build(rows, width=WIDTH, device=device)
         torch.testing.assert_close(model.decode(batch, waved), model.decode(batch, chunked), **tolerance,
                                    msg=f"decode step {step}")
+        positions = [p + 1 for p in positions]
+        last = [int(t) for t in random_tokens(2, seed=900 + step)]
+
+
+def test_a_v41_verify_batch_is_the_chunk_of_its_tokens(checkpoints):
+    """V4.1 (Engram on two layers, CSA2's shared kv / index sources with candidate blocks, quantization
+    simulation off): a verify batch's rows, with their Engram rows hashed wave by wave, give the logits
+    of the same tokens computed as a chunk, round after round of partly accepted drafts (each slot's
+    Engram look-back rewound to the tokens that stand, as the runner does), and leave the caches where
+    plain decode steps agree."""
+    from models import load_model
+
+    check_verify_batch_v41(load_model(checkpoints["v41"], simulate_quantization=False), "cpu", TOLERANCE)
+
+
+def check_verify_batch_v41(model, device: str, tolerance: dict) -> None:
+    chunked = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
+    waved = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
+    width = chunked.default_pages(0).shape[0]  # the whole 192 tokens' table
+    memory, waves = model.engram_memory, DRAFTS + 1
+    prompts = [random_tokens(37, seed=2), random_tokens(21, seed=3)]
+    for cache in (chunked, waved):
+        model(ForwardBatch.build([(slot, prompt, 0) for slot, prompt in enumerate(prompts)]), cache)
+    positions, last = [len(p) for p in prompts], [5, 9]
+    generator = torch.Generator().manual_seed(4)
+    for round_ in range(16):
+        drafts = [random_tokens(DRAFTS, seed=100 + round_), random_tokens(DRAFTS - round_ % 3, seed=200 + round_)]
+        forwarded = [[last[s], *drafts[s]] for s in range(2)]
+        before = {id(cache): cache.engram_context[:2].tolist() for cache in (chunked, waved)}
+        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked)
+        batch = verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device, width)
+        rows = model.engram_rows(batch.slots, batch.token_ids, batch.positions, waved, waves=waves)
+        got = model.decode(batch, waved, rows)
+        for s in range(2):
+            wave_rows = [j * 2 + s for j in range(len(forwarded[s]))]
+            start = 0 if s == 0 else len(forwarded[0])
+            torch.testing.assert_close(got[wave_rows], want[start: start + len(forwarded[s])], **tolerance,
+                                       msg=f"round {round_}, sequence {s}")
+        for s in range(2):
+            accepted = int(torch.randint(0, len(drafts[s]) + 1, (), generator=generator))
+            for cache in (chunked, waved):
+                memory.rewind(cache.engram_context, s, before[id(cache)][s], forwarded[s][: accepted + 1])
+            positions[s] += accepted + 1
+            last[s] = int(random_tokens(1, seed=500 + 7 * round_ + s)[0])
+    assert torch.equal(chunked.engram_context[:2], waved.engram_context[:2])
+    for step in range(6):  # plain decode steps after: both caches hold the same state
+        rows = [(s, last[s], positions[s], chunked.default_pages(s).tolist()) for s in range(2)]
+        batch = DecodeBatch.build(rows, width=width, device=device)
+        logits = [model.decode(batch, cache, model.engram_rows([0, 1], last, positions, cache))
+                  for cache in (waved, chunked)]
+        torch.testing.assert_close(*logits, **tolerance, msg=f"decode step {step}")
         positions = [p + 1 for p in positions]
         last = [int(t) for t in random_tokens(2, seed=900 + step)]
