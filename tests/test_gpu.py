@@ -855,10 +855,24 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
     plain graphed greedy emits, with a chunked prompt (tests/test_proposers.py's loop), and the verify
     graphs were replayed. Plain greedy's tokens up to where bf16 roundings may flip a near tie."""
     from models.random_model import build_random_model
-    from tests.test_proposers import CONFIG, K, decode
+    from tests.test_proposers import CONFIG
+
+    check_verify_graphs(build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True), method)
+
+
+def test_v41_verify_graphs_emit_plain_greedys_tokens(checkpoints):
+    """The same for V4.1 with prompt lookup: its verify graphs fetch each wave's Engram rows (hashed wave
+    by wave on the device) and roll the look-backs of rejected drafts back."""
+    from models import load_model
+
+    model = load_model(checkpoints["v41"], dtype=torch.bfloat16, device="cuda", simulate_quantization=False)
+    check_verify_graphs(model, "ngram")
+
+
+def check_verify_graphs(model, method: str) -> None:
+    from tests.test_proposers import K, decode
     from worker.proposers import build_proposer
 
-    model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
     plain = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True)
     want, _ = decode(plain, 24)
     proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
@@ -866,7 +880,9 @@ def test_verify_graphs_emit_plain_greedys_tokens(method):
                          proposer=proposer)
     assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
     replays = runner.graphs.replays
-    got, accepted = decode(runner, 24)
+    sent = []
+    got, accepted = decode(runner, 24, lambda out, drafts: sent.append(len(drafts)))
+    assert sum(sent) >= K  # some steps verified drafts
     # bf16 rows batched differently round differently, so the two may part at a near tie (top-2 gap
     # within ~2 bf16 ulps of these logits, 1/64 each) and only there; until then the same tokens with
     # logprobs within those roundings

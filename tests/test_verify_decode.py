@@ -15,6 +15,7 @@ from models import DecodeBatch, ForwardBatch, ModelCache, ModelConfig
 from models.random_model import build_random_model
 from models.tiny import tiny_config_dict
 from tests.conftest import random_tokens
+from worker.cuda_graphs import DecodeGraphs, DecodeRow
 
 DRAFTS = 3
 WIDTH = 12  # block-table width of every row (pages of 16 tokens: 192 tokens)
@@ -91,11 +92,22 @@ def test_a_v41_verify_batch_is_the_chunk_of_its_tokens(checkpoints):
     check_verify_batch_v41(load_model(checkpoints["v41"], simulate_quantization=False), "cpu", TOLERANCE)
 
 
-def check_verify_batch_v41(model, device: str, tolerance: dict) -> None:
+def test_v41_verify_steps_through_the_graphs_inputs_are_the_chunk_of_their_tokens(checkpoints):
+    """The same rounds through worker/cuda_graphs.py's DecodeGraphs uncaptured (the static inputs, the
+    Engram fetch of every wave into the static rows, the body a graph captures, run eagerly)."""
+    from models import load_model
+
+    check_verify_batch_v41(load_model(checkpoints["v41"], simulate_quantization=False), "cpu", TOLERANCE,
+                           through_graph_inputs=True)
+
+
+def check_verify_batch_v41(model, device: str, tolerance: dict, through_graph_inputs: bool = False) -> None:
     chunked = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
     waved = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
     width = chunked.default_pages(0).shape[0]  # the whole 192 tokens' table
     memory, waves = model.engram_memory, DRAFTS + 1
+    graphs = DecodeGraphs(model, waved, 2, width, scratch_slot=SCRATCH, scratch_page=waved.num_pages - 1,
+                          waves=waves)
     prompts = [random_tokens(37, seed=2), random_tokens(21, seed=3)]
     for cache in (chunked, waved):
         model(ForwardBatch.build([(slot, prompt, 0) for slot, prompt in enumerate(prompts)]), cache)
@@ -106,9 +118,14 @@ def check_verify_batch_v41(model, device: str, tolerance: dict) -> None:
         forwarded = [[last[s], *drafts[s]] for s in range(2)]
         before = {id(cache): cache.engram_context[:2].tolist() for cache in (chunked, waved)}
         want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked)
-        batch = verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device, width)
-        rows = model.engram_rows(batch.slots, batch.token_ids, batch.positions, waved, waves=waves)
-        got = model.decode(batch, waved, rows)
+        if through_graph_inputs:
+            pages = [tuple(waved.default_pages(s).tolist()) for s in range(2)]
+            got = graphs.run_waves([[DecodeRow(s, forwarded[s][j], positions[s] + j, pages[s])
+                                     if j < len(forwarded[s]) else None for s in range(2)] for j in range(waves)])
+        else:
+            batch = verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device, width)
+            rows = model.engram_rows(batch.slots, batch.token_ids, batch.positions, waved, waves=waves)
+            got = model.decode(batch, waved, rows)
         for s in range(2):
             wave_rows = [j * 2 + s for j in range(len(forwarded[s]))]
             start = 0 if s == 0 else len(forwarded[0])

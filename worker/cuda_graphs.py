@@ -19,7 +19,8 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
   those tokens into the token column. Graphs share
   one memory pool, captured largest first; their outputs (float32 logits) stay valid until the next
   replay of the same graph.
-- V4.1's Engram rows depend only on the step's tokens, so they are fetched before the replay (host
+- V4.1's Engram rows depend only on the step's tokens (a verify step's hashed wave by wave, padding
+  rows too), so they are fetched before the replay (host
   cache, disk reads the prefetch hints started a step earlier) into static per-layer buffers the
   graph reads. The fetch takes the static inputs' token, slot and position columns where they are
   (the device; the last step's draws included): a warm step is hashed, looked up in the row caches'
@@ -32,6 +33,7 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
   sequence are captured beside the one-row ones, and a sequence with fewer drafts pads its missing
   waves with scratch rows. `keep_streams`: every graph also writes the rows' pre-head residual streams
   into a static buffer (what the MTP proposer reads).
+Uncaptured (a CPU test's), `run_waves` fills the same static inputs and runs the body eagerly.
 After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
 and reserved bytes across a served decode run).
 """
@@ -126,7 +128,8 @@ class DecodeGraphs:
         self.streams = (torch.zeros(rows, config.hc_mult, config.hidden_size, dtype=model.lm_head.weight.dtype,
                                     device=device) if keep_streams else None)
         # pinned copies, taking turns; each written through numpy (the same memory, without torch's per-op cost)
-        self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
+                         for _ in range(2)]
         self.staging = self.stagings[0]
         self.host = self.staging.numpy()
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (size, width, waves)
@@ -134,22 +137,22 @@ class DecodeGraphs:
         self.pool_bytes = 0
         self.replays = 0
         self.engram_wait_s = 0.0  # time steps spent fetching Engram rows before their replay
-        self.engram_rows = self._engram_buffers(model, max_batch, device)
+        self.engram_rows = self._engram_buffers(model, rows, device)
 
     @staticmethod
-    def _engram_buffers(model, max_batch: int, device) -> list[torch.Tensor]:
-        """Static [max batch, columns, head_dim] float32 rows per Engram layer (none for V4); graphs run
-        on one rank, which holds every column."""
+    def _engram_buffers(model, rows: int, device) -> list[torch.Tensor]:
+        """Static [rows, columns, head_dim] float32 rows per Engram layer (none for V4); graphs run on one
+        rank, which holds every column."""
         spec = model.config.engram
         if spec is None:
             return []
-        return [torch.zeros(max_batch, spec.n_columns, spec.head_dim, device=device) for _ in spec.layer_ids]
+        return [torch.zeros(rows, spec.n_columns, spec.head_dim, device=device) for _ in spec.layer_ids]
 
     def decode_eagerly(self, size: int, width: int, waves: int = 1) -> torch.Tensor:
         """What the (size, width, waves) graph runs, run eagerly on the static inputs (warm-up, capture, tests)."""
         batch = self.static_batch(size, width, waves)
         if self.engram_rows:
-            return self.model.decode(batch, self.cache, [rows[:size] for rows in self.engram_rows])
+            return self.model.decode(batch, self.cache, [rows[: size * waves] for rows in self.engram_rows])
         if self.streams is not None:
             return self.model.decode(batch, self.cache, streams_out=self.streams[: size * waves])
         return self.model.decode(batch, self.cache)
@@ -220,13 +223,16 @@ class DecodeGraphs:
             taken = last_draws[draw_rows.clamp(0, last_draws.shape[0] - 1)]
             self.inputs[:n, TOKEN] = torch.where(draw_rows >= 0, taken, self.inputs[:n, TOKEN])
         if self.engram_rows:
-            assert count == 1, "V4.1 verifies no drafts (its cache refuses draft rows)"
             began = time.perf_counter()
-            inputs = self.inputs[:n]
-            fetched = self.model.engram_rows(inputs[:, SLOT], inputs[:, TOKEN], inputs[:, POSITION], self.cache)
+            # a decode step's own rows; a verify step's every row, its waves hashed in order
+            inputs = self.inputs[:n] if count == 1 else self.inputs[:total]
+            fetched = self.model.engram_rows(inputs[:, SLOT], inputs[:, TOKEN], inputs[:, POSITION], self.cache,
+                                             waves=count)
             for buffer, layer_rows in zip(self.engram_rows, fetched):
-                buffer[:n].copy_(layer_rows)
+                buffer[: layer_rows.shape[0]].copy_(layer_rows)
             self.engram_wait_s += time.perf_counter() - began
-        self.graphs[size, width, count].replay()
         self.replays += 1
+        if not self.graphs:  # not captured (CPU tests): the body the graph would run
+            return self.decode_eagerly(size, width, count)
+        self.graphs[size, width, count].replay()
         return self.outputs[size, width, count]

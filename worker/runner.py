@@ -38,9 +38,9 @@ puts the look-back it had before back, advanced over the tokens that stand (Engr
 reported as ChunkResult.proposed (none after a chunk whose `draft_next` is off: the proposer then only
 keeps its own state; StepResult counts its draft steps run and skipped). With graphs, verify chunks
 replay verify graphs (worker/cuda_graphs.py: 1 + draft_tokens rows a sequence, wave-major, a step's
-plain decodes padded alongside), which also keep the streams an MTP proposer reads, and the MTP
-proposer drafts after a step's decode chunks by graphs of its own (worker/mtp_graphs.py); V4.1's drafting
-steps run eagerly (its decode path takes one row a sequence).
+plain decodes padded alongside; V4.1's too, its Engram rows hashed wave by wave), which also keep the
+streams an MTP proposer reads, and the MTP proposer drafts after a step's decode chunks by graphs of its
+own (worker/mtp_graphs.py).
 """
 
 from __future__ import annotations
@@ -209,9 +209,8 @@ class ModelRunner:
             scratch_slot = num_slots + snapshot_slots
             scratch_page = num_pages if num_pages is not None else int(self.cache.default_pages(scratch_slot)[0])
             max_pages = -(-max_model_len // self.cache.block_tokens)
-            verify_waves = 1 if model.config.is_v41 else 1 + draft_tokens  # V4.1's decode path takes one row a sequence
             self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page,
-                                       waves=verify_waves, keep_streams=self._keeps_streams)
+                                       waves=1 + draft_tokens, keep_streams=self._keeps_streams)
             self.graphs.capture()
         # the proposer's drafting graphs (the MTP layer's), beside the decode graphs' pool in the memory plan
         self.proposer_graph_bytes = proposer.capture_graphs() if graphs and proposer is not None else 0
@@ -361,8 +360,7 @@ class ModelRunner:
 
     def _graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether one captured bucket holds these one-token chunks (batch size and block-table width),
-        and verify graphs were captured if some carry drafts (V4.1's decode path verifies none: its
-        drafting steps run eagerly)."""
+        and verify graphs were captured if some carry drafts (a runner without draft tokens has none)."""
         assert self.graphs is not None
         if self.graphs.waves[-1] == 1 and any(c.draft_token_ids for c in chunks):
             return False
@@ -411,7 +409,13 @@ class ModelRunner:
         waves = step.graph_rows
         logits = self.graphs.run_waves(waves, self._last_draws.tokens if self._last_draws is not None else None)
         size = logits.shape[0] // len(waves)
-        failed = self._engram_failures(len(waves[0]))
+        # a failed Engram row fails its sequence, whichever wave it is in (wave j's rows from j * size on);
+        # a padding row's failure fails nothing
+        failed = {}
+        for flat, reason in self._engram_failures(logits.shape[0]).items():
+            wave, row = divmod(flat, size)
+            if row < len(waves[wave]) and waves[wave][row] is not None:
+                failed.setdefault(row, reason)
         for row, index in enumerate(step.graph_chunks):
             chunk, wanted = step.computed[index], step.logit_rows[index]
             if len(waves) == 1:
