@@ -83,7 +83,7 @@ def check_kv_cache_dtype(config: "ServeConfig", model_config: ModelConfig) -> No
 
 
 def check_speculative(config: "ServeConfig", model_config: ModelConfig, model_json: Path | None = None) -> None:
-    """--speculative-config against the model: mtp drafts with V4's MTP layer, which the checkpoint must
+    """--speculative-config against the model: mtp drafts with the checkpoint's MTP layer, which it must
     have (`check_mtp`); dspark with a DSpark checkpoint of this model (V4.1's, or V4-Flash-0731's on V4:
     models/dspark.py)."""
     speculative = config.runtime.speculative_config
@@ -96,16 +96,17 @@ def check_speculative(config: "ServeConfig", model_config: ModelConfig, model_js
 
 
 def check_mtp(config: "ServeConfig", model_config: ModelConfig, model_json: Path | None = None) -> None:
-    """Method mtp needs V4's own MTP layer: not V4.1 (DSpark drafts it), not a checkpoint without one, and
-    not V4-Flash-0731, whose `mtp.*` tensors are a DSpark draft (its config.json, `model_json` or the
-    model directory's, names DSpark's keys)."""
+    """Method mtp needs the checkpoint's own MTP layer: not a checkpoint without one (the V4.1 release has
+    none, DSpark drafts it; a V4.1 checkpoint with `mtp.*` layers, as this project's default model, has:
+    models/mtp_v41.py), and not V4-Flash-0731, whose `mtp.*` tensors are a DSpark draft (its config.json,
+    `model_json` or the model directory's, names DSpark's keys)."""
     key = "runtime.speculative_config (--speculative-config) method mtp"
-    if model_config.is_v41:
-        raise EngineConfigError(f"{key}: {config.model_dir} is DeepSeek-V4.1, which drafts with DSpark's layers;"
-                                " use method dspark (its draft checkpoint as model) or ngram")
     if not model_config.num_nextn_predict_layers:
+        other = "dspark (its draft checkpoint as model) or ngram" if model_config.is_v41 else "ngram"
         raise EngineConfigError(f"{key}: {config.model_dir}'s config.json has no MTP layer"
-                                " (num_nextn_predict_layers 0); use method ngram")
+                                f" (num_nextn_predict_layers 0); use method {other}")
+    if model_config.is_v41:
+        return  # DSpark's V4.1 drafts come as a checkpoint of their own
     path = model_json or config.model_dir / "config.json"
     try:
         DSparkConfig.from_file(path, model_config)

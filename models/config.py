@@ -145,8 +145,12 @@ class ModelConfig:
         hash-routed: DeepSeek's MTP blocks continue the layer ids past the hash layers), so the layer
         classes and ModelCache.allocate build them and their state by index."""
         n = self.num_nextn_predict_layers
-        return replace(self, num_layers=n, layer_types=self.mtp_layer_types, compress_rates=self.mtp_compress_rates,
-                       mlp_layer_types=(MOE,) * n, mtp_layer_types=(), mtp_compress_rates=())
+        alone = replace(self, num_layers=n, layer_types=self.mtp_layer_types, compress_rates=self.mtp_compress_rates,
+                        mlp_layer_types=(MOE,) * n, mtp_layer_types=(), mtp_compress_rates=())
+        if self.is_v41:  # window attention only: no kv or index source, no Engram
+            alone = replace(alone, engram=None, shared_compression=replace(
+                self.shared_compression, kv_sources=(), index_sources=(), candidate_source=None))
+        return alone
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -205,6 +209,9 @@ class ModelConfig:
             raise ConfigError(f"compress_ratios must give {n_layers} non-negative entries, got {list(ratios)}")
         shared = shared_compression(d, ratios)
         layer_types = tuple(SHARED_COMPRESSED if i in shared.kv_sources else SLIDING for i in range(n_layers))
+        n_mtp = d.get("num_nextn_predict_layers") or 0
+        if not isinstance(n_mtp, int) or n_mtp < 0:
+            raise ConfigError(f"num_nextn_predict_layers {n_mtp!r} must be a count of layers (>= 0)")
         return cls(
             **_common_fields(d, index_n_heads=32, rms_norm_eps=1e-20),
             model_type=d["model_type"],
@@ -214,6 +221,8 @@ class ModelConfig:
             mlp_layer_types=(MOE,) * n_layers,
             shared_compression=shared,
             engram=engram_spec(d, n_layers),
+            mtp_layer_types=(SLIDING,) * n_mtp,  # models/mtp_v41.py: window attention, routed MoE
+            mtp_compress_rates=(0,) * n_mtp,
             gate_temp=float(d.get("gate_temp", 1.0)),
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         )._validated()

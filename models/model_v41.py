@@ -88,14 +88,18 @@ class DeepseekV41(nn.Module):
     @torch.inference_mode()
     def forward(
         self, batch: ForwardBatch, cache: ModelCache, trace: SelectionTrace | None = None, out: torch.Tensor | None = None,
-        taps_out: dict[int, torch.Tensor] | None = None,
+        taps_out: dict[int, torch.Tensor] | None = None, streams_out: torch.Tensor | None = None,
+        pre_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the chunks, appends them to their slots' state, returns logits [len(logits_rows), vocab]
         (written into `out` when the caller owns the buffer). `trace`, when given, records the indexers'
         selections and the Engram row ids (tests, debugging). `taps_out`: layer -> [T, hidden] buffer
-        receiving every row's mean stream entering that layer's attention (DSpark's taps, models/dspark.py)."""
+        receiving every row's mean stream entering that layer's attention (DSpark's taps, models/dspark.py).
+        `streams_out` [T, hc_mult, hidden] / `pre_out` [T, hc_mult] float32: receive every row's streams
+        before the head and their last pre mixes (what a V4.1 MTP layer reads, models/mtp_v41.py)."""
         batch = batch.with_pages(cache.default_pages).to(self.lm_head.weight.device)
         streams, pre = self.residual_streams(batch, cache, trace, taps_out)
+        _hand_out(streams, pre, streams_out, pre_out)
         last = batch.logits_rows
         return logits_into(self.head(streams[last], pre[last]), out)
 
@@ -132,10 +136,12 @@ class DeepseekV41(nn.Module):
         return self.lm_head(self.model.norm(collapse(pre, streams)))
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, cache: ModelCache, engram_rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, cache: ModelCache, engram_rows: list[torch.Tensor] | None = None,
+               streams_out: torch.Tensor | None = None, pre_out: torch.Tensor | None = None) -> torch.Tensor:
         """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab], reading no
         value on the host (worker/cuda_graphs.py captures it). `engram_rows`: per Engram layer, the
-        rows [B, columns, head_dim] of the step's tokens (`engram_rows`), fetched before the step."""
+        rows [B, columns, head_dim] of the step's tokens (`engram_rows`), fetched before the step.
+        `streams_out` / `pre_out` as `forward`'s."""
         hc = self.config.hc_mult
         streams = self.model.embed_tokens(batch.token_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = torch.zeros(streams.shape[0], hc, dtype=torch.float32, device=streams.device)
@@ -146,6 +152,7 @@ class DeepseekV41(nn.Module):
             for index, layer in enumerate(self.model.layers):
                 rows = engram_rows[engram_index[index]] if index in engram_index else None
                 streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
+        _hand_out(streams, pre, streams_out, pre_out)
         return self.lm_head(self.model.norm(collapse(pre, streams))).float()
 
     def engram_rows(self, slots: list[int] | torch.Tensor, token_ids: list[int] | torch.Tensor,
@@ -174,3 +181,11 @@ class DeepseekV41(nn.Module):
         if trace is not None:
             trace.engram_row_ids.append(ids)
         return self.engram_memory.start(ids)
+
+
+def _hand_out(streams: torch.Tensor, pre: torch.Tensor, streams_out: torch.Tensor | None,
+              pre_out: torch.Tensor | None) -> None:
+    if streams_out is not None:
+        streams_out.copy_(streams)
+    if pre_out is not None:
+        pre_out.copy_(pre)

@@ -28,6 +28,8 @@ from models.config import ConfigError, ModelConfig
 from models.hyper import HyperHead
 from models.layers import RMSNorm, logits_into
 from models.model import DecoderLayer, DeepseekV4
+from models.model_v41 import DeepseekV41
+from models.mtp_v41 import MTPLayerV41
 from models.parallel import SINGLE, TensorParallel
 
 
@@ -51,33 +53,35 @@ class MTPLayer(nn.Module):
         self.shared = (embed, head)
 
     @torch.inference_mode()
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, pre: None = None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Chunks of rows: `streams` [T, hc_mult, D] are the target's pre-head streams at the rows'
         positions, `batch.token_ids` the token after each (the row of position p holds token p + 1), at
         `batch.positions` in `batch`'s slots of `cache`. Appends the rows to the layer's state; returns
         (float32 logits [len(logits_rows), vocab], written into `out` when given: the draft of the token
-        after each logits row's; this layer's output streams [T, hc_mult, D], for the next step)."""
+        after each logits row's; this layer's output streams [T, hc_mult, D], for the next step; None:
+        V4 hands no mixes on, which V4.1's layer does, models/mtp_v41.py, whose methods these are)."""
         batch = batch.with_pages(cache.default_pages).to(streams.device)
         x = self.block(self._inputs(streams, batch.token_ids), batch, cache, self.index)
-        return self._logits(x[batch.logits_rows], out), x
+        return self._logits(x[batch.logits_rows], out), x, None
 
     @torch.inference_mode()
     def decode(self, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per sequence (streams [B, hc_mult, D], as `forward`'s): (float32 logits [B, vocab],
         output streams [B, hc_mult, D]). Reads no value on the host, so a CUDA graph can capture it."""
-        x = self.advance(streams, batch, cache)
+        x, _ = self.advance(streams, batch, cache)
         return self._logits(x, None), x
 
     @torch.inference_mode()
-    def advance(self, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache) -> torch.Tensor:
+    def advance(self, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache, pre: None = None
+                ) -> tuple[torch.Tensor, None]:
         """`decode` without the head: the output streams of a decode batch's rows (a verify batch's
         `waves` rows a sequence too), appended to the layer's state. Only the rows that draft need
         logits (`draft_logits`): the head reads the whole vocabulary's weights."""
-        return self.block(self._inputs(streams, batch.token_ids), batch, cache, self.index)
+        return self.block(self._inputs(streams, batch.token_ids), batch, cache, self.index), None
 
     @torch.inference_mode()
-    def draft_logits(self, streams: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, streams: torch.Tensor, pre: None = None) -> torch.Tensor:
         """float32 logits [rows, vocab] of output streams [rows, hc_mult, D] (`advance`'s)."""
         return self._logits(streams, None)
 
@@ -91,14 +95,16 @@ class MTPLayer(nn.Module):
         return logits_into(head(self.norm(self.hc_head(streams))), out)
 
 
-def attach_mtp(model: DeepseekV4, tp: TensorParallel = SINGLE) -> nn.ModuleList:
+def attach_mtp(model: DeepseekV4 | DeepseekV41, tp: TensorParallel = SINGLE) -> nn.ModuleList:
     """Builds the config's MTP layers (on the default device: meta while loading) as `model.mtp`, sharing
-    the model's embedding and head, so their parameters are the model's `mtp.N.*`. ConfigError when the
-    config has none (V4.1 has none: its drafts are DSpark's)."""
+    the model's embedding and head, so their parameters are the model's `mtp.N.*`: V4's, or V4.1's
+    (models/mtp_v41.py; the V4.1 release has none, its drafts are DSpark's, but a V4.1 checkpoint may
+    ship them, as this project's default model does). ConfigError when the config has none."""
     config = model.config
-    if config.is_v41 or not config.num_nextn_predict_layers:
+    if not config.num_nextn_predict_layers:
         raise ConfigError("the model has no MTP layers (config.json: num_nextn_predict_layers 0 or absent)")
-    model.mtp = nn.ModuleList(MTPLayer(config, i, model.model.embed_tokens, model.lm_head, tp)
+    layer = MTPLayerV41 if config.is_v41 else MTPLayer
+    model.mtp = nn.ModuleList(layer(config, i, model.model.embed_tokens, model.lm_head, tp)
                               for i in range(config.num_nextn_predict_layers))
     return model.mtp
 
@@ -111,15 +117,16 @@ def allocate_mtp_cache(config: ModelConfig, num_slots: int, max_len: int, **opti
     return ModelCache.allocate(config.mtp_layers_config(), num_slots, max_len, **options)
 
 
-def greedy_drafts(layer: MTPLayer, streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache, k: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k greedy drafts per sequence, chained: the first step reads `streams` and `batch` (as `decode`:
-    the target's streams at position p and token p + 1), each later one the step before's output streams
-    and argmax token, one position on. Returns (drafts [B, k], float32 logits [B, k, vocab]); reads no
-    value on the host."""
+def greedy_drafts(layer: "MTPLayer | MTPLayerV41", streams: torch.Tensor, batch: DecodeBatch, cache: ModelCache,
+                  k: int, pre: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k greedy drafts per sequence, chained: the first step reads `streams` (and V4.1's `pre`) and
+    `batch` (as `decode`: the target's at position p and token p + 1), each later one the step before's
+    output and argmax token, one position on. Returns (drafts [B, k], float32 logits [B, k, vocab]);
+    reads no value on the host."""
     drafts, logits = [], []
     for _ in range(k):
-        step, streams = layer.decode(streams, batch, cache)
+        streams, pre = layer.advance(streams, batch, cache, pre)
+        step = layer.draft_logits(streams, pre)
         drafts.append(step.argmax(dim=-1))
         logits.append(step)
         batch = replace(batch, token_ids=drafts[-1], positions=batch.positions + 1)

@@ -960,21 +960,29 @@ def test_group_pool_kernel_compiled_equals_the_reference():
     check_group_pool(batch=3, dim=512, rate=128, ring=131, seed=1, device="cuda")  # a long group, draft rows
 
 
-def test_mtp_draft_graphs_replay_their_eager_steps():
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_mtp_draft_graphs_replay_their_eager_steps(family, tmp_path):
     """The MTP proposer's draft graphs (worker/mtp_graphs.py), captured, against the same steps run eagerly
     on the GPU (tests/test_mtp_draft_steps.py's script: every count of standing rows, prompt chunks beside
-    decode chunks, a padded bucket): the same drafts and bitwise the same layer state."""
+    decode chunks, a padded bucket; V4.1's pre mixes beside the streams): the same drafts and bitwise the
+    same layer state."""
+    from models import load_model
     from models.random_model import build_random_model
+    from models.tiny import build_tiny_checkpoint
     from tests.test_mtp_draft_steps import SLOTS, steps_script
     from tests.test_proposers import CONFIG, K
     from worker.proposers import MTPProposer
 
-    model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
+    if family == "v4":
+        model = build_random_model(CONFIG, torch.bfloat16, "cuda", seed=2, mtp=True)
+    else:
+        checkpoint = build_tiny_checkpoint(tmp_path / "v41", seed=6, family="v41", num_nextn_predict_layers=1)
+        model = load_model(checkpoint, dtype=torch.bfloat16, device="cuda", mtp=True)
     eager = MTPProposer(model, num_slots=SLOTS, max_model_len=128, k=K)
     eager.use_static_steps()
     graphed = MTPProposer(model, num_slots=SLOTS, max_model_len=128, k=K)
     assert graphed.capture_graphs() > 0 and graphed.steps is not None and graphed.steps.graphs
-    script, _ = steps_script(seed=0, like=model.lm_head.weight)
+    script, _ = steps_script(seed=0, like=model.lm_head.weight, config=model.config)
     for step, chunks in enumerate(script):
         assert graphed.propose(chunks) == eager.propose(chunks), f"step {step}"
     assert graphed.steps.runs == eager.steps.runs and len(graphed.steps.runs) >= 10

@@ -146,8 +146,8 @@ def test_released_formats_load(tmp_path, weights, model):
     assert isinstance(kept.mtp[0].e_proj, Fp8Linear) and isinstance(kept.mtp[0].block.self_attn.q_b_proj, Fp8Linear)
     assert "gate_up_proj_codes" in dict(kept.mtp[0].block.mlp.experts.named_buffers())
     streams, batch = random_rows(CONFIG, 10, seed=1), ForwardBatch.build([(0, list(range(7, 17)), 0)], logits="all")
-    dense_logits, _ = dense.mtp[0](streams, batch, allocate_mtp_cache(CONFIG, 1, 32))
-    kept_logits, _ = kept.mtp[0](streams, batch, allocate_mtp_cache(CONFIG, 1, 32))
+    dense_logits, *_ = dense.mtp[0](streams, batch, allocate_mtp_cache(CONFIG, 1, 32))
+    kept_logits, *_ = kept.mtp[0](streams, batch, allocate_mtp_cache(CONFIG, 1, 32))
     torch.testing.assert_close(kept_logits, dense_logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(dense_logits, model.mtp[0](streams, batch, allocate_mtp_cache(CONFIG, 1, 32))[0])
 
@@ -259,7 +259,7 @@ def test_forward_is_deepseeks_mtp_block(model, weights):
     """24 rows (past the 16-token window) fed the target's streams of a prompt and the token after each."""
     tokens = torch.randint(7, 512, (25,), generator=torch.Generator().manual_seed(0)).tolist()
     streams, positions = target_rows(model, tokens[:-1]), torch.arange(24)
-    logits, out = model.mtp[0](streams, ForwardBatch.build([(0, tokens[1:], 0)], logits="all"),
+    logits, out, _ = model.mtp[0](streams, ForwardBatch.build([(0, tokens[1:], 0)], logits="all"),
                                allocate_mtp_cache(CONFIG, 1, 64))
     expected_logits, expected_out = reference_mtp(weights, streams, torch.tensor(tokens[1:]), positions)
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
@@ -270,9 +270,9 @@ def test_decode_steps_give_the_chunks_numbers(model):
     """The same 20 rows as one chunk, and as a chunk of 6 then 14 decode steps (ring rows wrap)."""
     streams, tokens = random_rows(CONFIG, 20, seed=2), list(range(30, 50))
     layer, whole = model.mtp[0], allocate_mtp_cache(CONFIG, 2, 64)
-    logits, out = layer(streams, ForwardBatch.build([(1, tokens, 0)], logits="all"), whole)
+    logits, out, _ = layer(streams, ForwardBatch.build([(1, tokens, 0)], logits="all"), whole)
     stepped = allocate_mtp_cache(CONFIG, 2, 64, draft_tokens=3)
-    first, first_out = layer(streams[:6], ForwardBatch.build([(1, tokens[:6], 0)], logits="all"), stepped)
+    first, first_out, _ = layer(streams[:6], ForwardBatch.build([(1, tokens[:6], 0)], logits="all"), stepped)
     rows, outs = [first], [first_out]
     with torch.inference_mode():
         for p in range(6, 20):
@@ -292,7 +292,7 @@ def test_chained_drafts_follow_the_layers_own_streams(model, weights):
     tokens = [list(range(100 + n, 100 + 2 * n)) for n in lengths]
     layer, cache = model.mtp[0], allocate_mtp_cache(CONFIG, 2, 64, draft_tokens=k)
     batch = ForwardBatch.build([(slot, tokens[slot], 0) for slot in range(2)])
-    logits, out = layer(torch.cat(streams), batch, cache)
+    logits, out, _ = layer(torch.cat(streams), batch, cache)
     firsts = logits.argmax(-1)
     rows = [(slot, firsts[slot].item(), n, cache.default_pages(slot).tolist()) for slot, n in enumerate(lengths)]
     with torch.inference_mode():
@@ -318,7 +318,7 @@ def test_dummy_weights_draw_the_mtp_layer_in_the_released_formats(tmp_path):
     model = build_dummy_model(tmp_path, released=True, mtp=True)
     assert isinstance(model.mtp[0].h_proj, Fp8Linear) and isinstance(model.mtp[0].block.self_attn.kv_proj, Fp8Linear)
     batch = ForwardBatch.build([(0, list(range(7, 15)), 0)], logits="all")
-    logits, _ = model.mtp[0](random_rows(CONFIG, 8, seed=4), batch, allocate_mtp_cache(CONFIG, 1, 16))
+    logits, *_ = model.mtp[0](random_rows(CONFIG, 8, seed=4), batch, allocate_mtp_cache(CONFIG, 1, 16))
     assert logits.shape == (8, CONFIG.vocab_size) and logits.isfinite().all()
 
 

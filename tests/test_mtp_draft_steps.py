@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from contract import SamplingParams, ScheduledChunk
+from models import ModelConfig
 from models.random_model import build_random_model
 from tests.conftest import random_tokens
 from tests.test_proposers import CONFIG, K, decode, plain
@@ -30,28 +31,32 @@ def model():
 
 def computed(slot: int, tokens: tuple[int, ...], position: int, drafts: tuple[int, ...], kept: int,
              next_token: int | None, draft_next: bool = True, seed: int = 0,
-             like: torch.Tensor = torch.empty(0)) -> ComputedChunk:
-    """A chunk as a step left it, the target's streams at its rows random (on `like`'s device and dtype)."""
+             like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG) -> ComputedChunk:
+    """A chunk as a step left it, the target's streams at its rows random (on `like`'s device and dtype),
+    and a V4.1 `config`'s last pre mixes there (float32, positive, summing to 1)."""
     rows = len(tokens) + len(drafts)
-    streams = torch.randn(rows, CONFIG.hc_mult, CONFIG.hidden_size, generator=torch.Generator().manual_seed(seed))
-    streams = streams.to(like)
+    generator = torch.Generator().manual_seed(seed)
+    streams = torch.randn(rows, config.hc_mult, config.hidden_size, generator=generator).to(like)
+    pre = torch.rand(rows, config.hc_mult, generator=generator).softmax(-1).to(like.device) if config.is_v41 else None
     chunk = ScheduledChunk(request_id=f"r{slot}", slot=slot, pages=(), token_ids=tokens, position=position,
                            sample=next_token is not None, logprob_targets=(), params=GREEDY, num_generated=0,
                            draft_token_ids=drafts, draft_next=draft_next)
-    return ComputedChunk(chunk, kept, next_token, streams)
+    return ComputedChunk(chunk, kept, next_token, streams, pre=pre)
 
 
-def steps_script(seed: int, like: torch.Tensor = torch.empty(0)) -> tuple[list[list[ComputedChunk]], dict[int, int]]:
+def steps_script(seed: int, like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG
+                 ) -> tuple[list[list[ComputedChunk]], dict[int, int]]:
     """Slot 0 and 1 prefill (slot 1 in two chunks, its first a step of its own), then decode with K drafts
     each and a random number of them standing; slot 2 prefills in the middle, beside the decodes; every
     fourth step slot 1 drafts nothing next, but not in the last. Also each slot's position after them."""
     rng = random.Random(seed)
     prompts = {0: random_tokens(9, seed=1), 1: random_tokens(20, seed=2), 2: random_tokens(14, seed=3)}
     positions = {}
-    script = [[computed(1, tuple(prompts[1][:12]), 0, (), 12, None, seed=rng.randrange(10**6), like=like)]]
-    first = [computed(0, tuple(prompts[0]), 0, (), 9, rng.randrange(7, 500), seed=rng.randrange(10**6), like=like),
+    setting = dict(like=like, config=config)
+    script = [[computed(1, tuple(prompts[1][:12]), 0, (), 12, None, seed=rng.randrange(10**6), **setting)]]
+    first = [computed(0, tuple(prompts[0]), 0, (), 9, rng.randrange(7, 500), seed=rng.randrange(10**6), **setting),
              computed(1, tuple(prompts[1][12:]), 12, (), 8, rng.randrange(7, 500), seed=rng.randrange(10**6),
-                      like=like)]
+                      **setting)]
     positions |= {0: 9, 1: 20}
     script.append(first)
     for step in range(12):
@@ -61,22 +66,27 @@ def steps_script(seed: int, like: torch.Tensor = torch.empty(0)) -> tuple[list[l
             kept = rng.randrange(1, K + 2) if step % 3 else K + 1  # every count, all of them standing too
             chunks.append(computed(slot, (rng.randrange(7, 500),), positions[slot], drafts, kept,
                                    rng.randrange(7, 500), draft_next=not (slot == 1 and step % 4 == 3 and step < 11),
-                                   seed=rng.randrange(10**6), like=like))
+                                   seed=rng.randrange(10**6), **setting))
             positions[slot] += kept
         if step == 5:
             chunks.append(computed(2, tuple(prompts[2]), 0, (), 14, rng.randrange(7, 500), seed=rng.randrange(10**6),
-                                   like=like))
+                                   **setting))
             positions[2] = 14
         script.append(chunks)
     return script, positions
 
 
 def test_static_draft_steps_propose_the_eager_paths_drafts(model):
+    check_static_steps_against_eager(model)
+
+
+def check_static_steps_against_eager(model) -> None:
+    config = model.config
     eager = MTPProposer(model, num_slots=SLOTS, max_model_len=128, k=K)
     static = MTPProposer(model, num_slots=SLOTS, max_model_len=128, k=K)
     steps = static.use_static_steps()
     proposed = 0
-    script, positions = steps_script(seed=0)
+    script, positions = steps_script(seed=0, config=config)
     for step, chunks in enumerate(script):
         want, got = eager.propose(chunks), static.propose(chunks)
         assert got == want, f"step {step}"
@@ -84,9 +94,8 @@ def test_static_draft_steps_propose_the_eager_paths_drafts(model):
     assert proposed >= 20 and len(steps.runs) >= 10  # the static steps drafted most of them
     assert 3 in steps.runs  # a bucket of 4 for 3 sequences: a padding sequence of scratch rows
     want, got = eager.cache.layers[0].window, static.cache.layers[0].window
-    window = CONFIG.sliding_window
     for slot, end in positions.items():  # each ring's rows of the positions a next row reads
-        rows = [p % want.shape[1] for p in range(max(0, end - window), end)]
+        rows = [p % want.shape[1] for p in range(max(0, end - config.sliding_window), end)]
         torch.testing.assert_close(got[slot, rows], want[slot, rows], rtol=1e-4, atol=1e-5)
 
 

@@ -94,7 +94,7 @@ def mtp_drafts_afresh(model, tokens: list[int]) -> tuple[int, ...]:
     target = ModelRunner(model, num_slots=1, max_model_len=128, deterministic=True)
     streams = torch.empty(len(tokens) - 1, config.hc_mult, config.hidden_size)
     target.model(ForwardBatch.build([(0, tokens[:-1], 0)]), target.cache, streams_out=streams)
-    logits, out = model.mtp[0](streams, ForwardBatch.build([(0, tokens[1:], 0)]), cache)
+    logits, out, _ = model.mtp[0](streams, ForwardBatch.build([(0, tokens[1:], 0)]), cache)
     first = logits.argmax(dim=-1)
     from models import DecodeBatch
 

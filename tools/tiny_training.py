@@ -22,7 +22,7 @@ the served function. What training adds around it changes no forward value:
 - `ExpertBalance`: MoE load balance without an auxiliary loss, as DeepSeek-V3: after each step every
   router's `e_score_correction_bias` (a buffer, saved with the weights) moves by a fixed rate towards the
   experts that got fewer tokens than the mean.
-- `MTPHeadV41` (tools/tiny_mtp.py), trained on the token after next.
+- the MTP layer (models/mtp_v41.py, what serving drafts with), trained on the token after next.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ from models.engram import EngramFusion, EngramMemory
 from models.engram_setup import engram_hasher
 from models.layers import apply_rope
 from models.model_v41 import DeepseekV41
+from models.mtp import allocate_mtp_cache
+from models.mtp_v41 import MTPLayerV41
 from models.moe import Router
 from models.random_model import tensor_seed
 from models.tiny import quantize_engram_rows
-from tools.tiny_mtp import MTPHeadV41
 
 IGNORE = -100
 
@@ -364,7 +365,7 @@ def stored_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if tensor.dim() >= 2 else torch.float32
 
 
-def checkpoint_tensors(model: DeepseekV41, mtp: MTPHeadV41 | None, tables: TrainableEngramTables | None,
+def checkpoint_tensors(model: DeepseekV41, mtp: MTPLayerV41 | None, tables: TrainableEngramTables | None,
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The safetensors contents under the loader's names: the model's parameters and buffers, the MTP
     head's as `mtp.0.*`, the Engram tables as fp8 values and scales."""
@@ -407,7 +408,7 @@ class TinyTrainer:
     """The model, its MTP head and Engram tables on one device, and a batch's losses through the
     serving forward (see the module docstring)."""
 
-    def __init__(self, model: DeepseekV41, mtp: MTPHeadV41 | None, tables: TrainableEngramTables | None,
+    def __init__(self, model: DeepseekV41, mtp: MTPLayerV41 | None, tables: TrainableEngramTables | None,
                  indexer_queries: int = 256) -> None:
         self.model, self.mtp, self.tables = model, mtp, tables
         self.device = model.lm_head.weight.device
@@ -470,11 +471,12 @@ class TinyTrainer:
     def _mtp_logits(self, sequences: Sequence[TrainingSequence], batch: ForwardBatch, streams: torch.Tensor,
                     pre: torch.Tensor, longest: int) -> torch.Tensor:
         """The MTP head over every row but each sequence's last: row p with token p + 1."""
-        cache = self.mtp.allocate_cache(len(sequences), longest, self.device)
-        inputs = _placed(ForwardBatch.build([(i, s.tokens[1:], 0) for i, s in enumerate(sequences)]), cache,
-                         self.device)
+        cache = allocate_mtp_cache(self.model.config, len(sequences), longest, device=self.device)
+        inputs = _placed(ForwardBatch.build([(i, s.tokens[1:], 0) for i, s in enumerate(sequences)], logits="all"),
+                         cache, self.device)
         keep = torch.cat([torch.arange(c.start, c.start + c.length - 1) for c in batch.chunks]).to(self.device)
-        return self.mtp(self.model, streams[keep], pre[keep], inputs, cache)
+        logits, _, _ = self.mtp(streams[keep], inputs, cache, pre=pre[keep])
+        return logits
 
     @torch.no_grad()
     def mtp_agreement(self, sequences: Sequence[TrainingSequence]) -> tuple[float, float, int]:

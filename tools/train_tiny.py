@@ -3,9 +3,9 @@
     python -m tools.train_tiny --out checkpoints/tiny --device cuda --minutes 6.5 --seed 0
 
 Every feature of the V4.1 family stays (Engram on two layers, CSA2 with ratio-2 and ratio-1 kv sources,
-a re-indexing layer and the two-level top-k, single-pass mHC, routed + shared MoE) and an MTP head is
-trained beside it (tools/tiny_mtp.py). The forward is the serving code's (tools/tiny_training.py says
-how it is differentiated), so the saved weights are the served function. Data (tools/stdlib_corpus.py):
+a re-indexing layer and the two-level top-k, single-pass mHC, routed + shared MoE) and an MTP layer is
+trained beside it (models/mtp_v41.py, the layer the "mtp" proposer serves). The forward is the serving
+code's (tools/tiny_training.py says how it is differentiated), so the saved weights are the served function. Data (tools/stdlib_corpus.py):
 the stdlib's files minus a held-out set of modules, with the shipped byte-level BPE
 (tools/tiny_tokenizer.json); mixed in, key-value recall samples up to 4K tokens (tools/needle.py), so
 that retrieval through the compressed caches is trained at the full context (their longest length grows
@@ -58,6 +58,7 @@ from safetensors.torch import save_file
 from models import ForwardBatch, ModelCache, ModelConfig, load_model
 from models.engram_setup import engram_hasher
 from models.model_v41 import DeepseekV41
+from models.mtp_v41 import MTPLayerV41
 from models.tiny import SPECIAL_TOKENS, tiny_v41_config_dict
 from tools.needle import NeedleTask, greedy_generate, needle_accuracy, packed
 from tools.stdlib_corpus import (
@@ -69,7 +70,6 @@ from tools.stdlib_corpus import (
     split,
     stdlib_files,
 )
-from tools.tiny_mtp import MTPHeadV41
 from tools.tiny_training import (
     TinyTrainer,
     TrainableEngramTables,
@@ -235,7 +235,7 @@ def build(args, tokenizer, device: torch.device) -> tuple[dict, TinyTrainer]:
         raw = model_config(tokenizer, args.preset)
     config = ModelConfig.from_dict(raw)
     model = DeepseekV41(config)
-    mtp = MTPHeadV41(config) if args.mtp else None
+    mtp = MTPLayerV41(config, 0, model.model.embed_tokens, model.lm_head) if args.mtp else None
     rows = config.engram.layout.num_embeddings
     tables = TrainableEngramTables([torch.empty(n, config.engram.head_dim) for n in rows])
     modules = {"": model, "engram.": tables} | ({"mtp.0.": mtp} if mtp is not None else {})
@@ -249,7 +249,7 @@ def build(args, tokenizer, device: torch.device) -> tuple[dict, TinyTrainer]:
 
 
 @torch.no_grad()
-def load_weights(directory: Path, model: DeepseekV41, mtp: MTPHeadV41 | None, tables: TrainableEngramTables) -> None:
+def load_weights(directory: Path, model: DeepseekV41, mtp: MTPLayerV41 | None, tables: TrainableEngramTables) -> None:
     """A saved run's weights into the training modules (the Engram tables from their fp8 rows; an MTP
     head the checkpoint lacks keeps its initial weights)."""
     with safe_open(directory / "model.safetensors", framework="pt") as handle:
@@ -356,21 +356,16 @@ def evaluate(args, model, trainer: TinyTrainer, corpus: Corpus, tokenizer) -> di
         sequences = [TrainingSequence([BOS] + w) for w in pieces if len(w) == window - 1]
         agree, correct, rows = trainer.mtp_agreement(sequences)
         figures["mtp"] = {"agreement_with_target": agree, "accuracy": correct, "rows": rows,
-                          "note": "teacher-forced on held-out text; no V4.1 MTP proposer serves it yet"}
+                          "note": "teacher-forced on held-out text; served by --speculative-config method mtp"}
     return figures
 
 
 def load_trained(out: Path, device: torch.device) -> tuple[DeepseekV41, TinyTrainer]:
-    """A saved run: the model as the server loads it, and its MTP head (`mtp.0.*`) beside it."""
-    model = load_model(out, device=str(device))
-    mtp = None
+    """A saved run as the server loads it, with its MTP layer (`mtp.0.*`, models/mtp_v41.py) when it has one."""
     with safe_open(out / "model.safetensors", framework="pt") as handle:
-        state = {n[len("mtp.0."):]: handle.get_tensor(n) for n in handle.keys() if n.startswith("mtp.0.")}
-    if state:
-        mtp = MTPHeadV41(model.config)
-        mtp.load_state_dict(state)
-        mtp.to(device).eval()
-    return model, TinyTrainer(model, mtp, None)
+        has_mtp = any(name.startswith("mtp.0.") for name in handle.keys())
+    model = load_model(out, device=str(device), mtp=has_mtp)
+    return model, TinyTrainer(model, model.mtp[0] if has_mtp else None, None)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -127,6 +127,8 @@ class DecodeGraphs:
         config = model.config
         self.streams = (torch.zeros(rows, config.hc_mult, config.hidden_size, dtype=model.lm_head.weight.dtype,
                                     device=device) if keep_streams else None)
+        # V4.1's last pre mixes beside its streams (a V4.1 MTP layer reads both)
+        self.pre = (torch.zeros(rows, config.hc_mult, device=device) if keep_streams and config.is_v41 else None)
         # pinned copies, taking turns; each written through numpy (the same memory, without torch's per-op cost)
         self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
@@ -150,12 +152,15 @@ class DecodeGraphs:
 
     def decode_eagerly(self, size: int, width: int, waves: int = 1) -> torch.Tensor:
         """What the (size, width, waves) graph runs, run eagerly on the static inputs (warm-up, capture, tests)."""
-        batch = self.static_batch(size, width, waves)
-        if self.engram_rows:
-            return self.model.decode(batch, self.cache, [rows[: size * waves] for rows in self.engram_rows])
+        batch, rows = self.static_batch(size, width, waves), size * waves
+        kept = {}
         if self.streams is not None:
-            return self.model.decode(batch, self.cache, streams_out=self.streams[: size * waves])
-        return self.model.decode(batch, self.cache)
+            kept["streams_out"] = self.streams[:rows]
+        if self.pre is not None:
+            kept["pre_out"] = self.pre[:rows]
+        if self.engram_rows:
+            return self.model.decode(batch, self.cache, [buffer[:rows] for buffer in self.engram_rows], **kept)
+        return self.model.decode(batch, self.cache, **kept)
 
     def static_batch(self, size: int, width: int, waves: int = 1) -> DecodeBatch:
         """The bucket's batch: views of the static input buffer the graph reads."""
@@ -176,7 +181,8 @@ class DecodeGraphs:
         self.inputs.copy_(self.staging)
         keys = [(size, width, waves) for waves in self.waves for width in self.widths for size in self.sizes]
         largest_first = sorted(keys, key=lambda k: (k[0] * k[2], k[1]), reverse=True)
-        self.graphs, self.outputs, self.pool_bytes = capture_graphs(largest_first, lambda key: self.decode_eagerly(*key))
+        self.graphs, self.outputs, self.pool_bytes = capture_graphs(largest_first,
+                                                                    lambda key: self.decode_eagerly(*key))
         log.info("captured %d decode graphs (batch %s x table width %s pages x waves %s), %.1f MiB",
                  len(self.graphs), self.sizes, self.widths, self.waves, self.pool_bytes / 2**20)
 

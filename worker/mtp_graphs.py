@@ -34,6 +34,7 @@ import torch
 
 from models import DecodeBatch, ModelCache, ModelConfig
 from models.mtp import MTPLayer, greedy_drafts
+from models.mtp_v41 import MTPLayerV41
 from worker.cuda_graphs import batch_buckets, capture_graphs
 
 TOKEN, POSITION, SLOT = 0, 1, 2  # columns of the row inputs
@@ -49,10 +50,11 @@ class DraftRows:
     position: int
     tokens: tuple[int, ...]
     streams: torch.Tensor
+    pre: torch.Tensor | None = None  # V4.1: the target's last pre mixes there [len(tokens), hc_mult]
 
 
 class MTPDraftSteps:
-    def __init__(self, layer: MTPLayer, cache: ModelCache, config: ModelConfig, max_batch: int, k: int,
+    def __init__(self, layer: MTPLayer | MTPLayerV41, cache: ModelCache, config: ModelConfig, max_batch: int, k: int,
                  scratch_slot: int) -> None:
         """`cache`: the layer's own (models/mtp.py allocate_mtp_cache, with `k` draft rows), whose
         `scratch_slot` no request owns; `config`: the target's."""
@@ -71,6 +73,7 @@ class MTPDraftSteps:
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self.host = self.staging.numpy()
         self.streams = torch.zeros(self.max_rows, config.hc_mult, config.hidden_size, dtype=weight.dtype, device=device)
+        self.pre = torch.zeros(self.max_rows, config.hc_mult, device=device) if config.is_v41 else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs: list[int] = []  # each draft's sequences (the last 64)
@@ -111,6 +114,8 @@ class MTPDraftSteps:
         self.inputs.copy_(self.staging, non_blocking=True)  # read back below, before the staging is written again
         where = self.inputs[self.dest_at: self.dest_at + len(destinations)]
         self.streams.index_copy_(0, where, torch.cat([sequence.streams for sequence in sequences]))
+        if self.pre is not None:
+            self.pre.index_copy_(0, where, torch.cat([sequence.pre for sequence in sequences]))
         if self.graphs:
             self.graphs[size].replay()
             drafts = self.outputs[size]
@@ -125,14 +130,15 @@ class MTPDraftSteps:
         rows = self.inputs[: self.last_at].view(self.max_rows, 3)[:count]
         tokens, positions, slots = rows[:, TOKEN], rows[:, POSITION], rows[:, SLOT]
         batch = DecodeBatch(tokens, positions, slots, self.pages[slots], self.waves)
-        out = self.layer.advance(self.streams[:count], batch, self.cache)
+        out, out_pre = self.layer.advance(self.streams[:count], batch, self.cache,
+                                          None if self.pre is None else self.pre[:count])
         last = self.inputs[self.last_at: self.last_at + size]
-        streams = out[last]
-        first = self.layer.draft_logits(streams).argmax(dim=-1)
+        streams, pre = out[last], None if out_pre is None else out_pre[last]
+        first = self.layer.draft_logits(streams, pre).argmax(dim=-1)
         if self.k == 1:
             return first[:, None]
         chain = DecodeBatch(first, positions[last] + 1, slots[last], self.pages[slots[last]])
-        chained, _ = greedy_drafts(self.layer, streams, chain, self.cache, self.k - 1)
+        chained, _ = greedy_drafts(self.layer, streams, chain, self.cache, self.k - 1, pre)
         return torch.cat([first[:, None], chained], dim=1)
 
     def _fill_scratch(self, size: int) -> None:

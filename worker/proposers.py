@@ -34,6 +34,7 @@ import torch
 
 from contract import ScheduledChunk
 from models import DecodeBatch, DeepseekV4, ForwardBatch, ModelConfig
+from models.model_v41 import DeepseekV41
 from models.mtp import allocate_mtp_cache, greedy_drafts
 from models.transfer import on_device
 from worker.dspark import DSparkProposer
@@ -55,6 +56,7 @@ class ComputedChunk:
     next_token: int | None
     streams: torch.Tensor | None = None
     taps: torch.Tensor | None = None
+    pre: torch.Tensor | None = None  # V4.1: the last pre mixes at the forwarded tokens [len(forwarded), hc_mult]
 
     @property
     def forwarded(self) -> tuple[int, ...]:
@@ -147,6 +149,9 @@ def held_rows(k: int) -> int:
     return PROBE_EVERY_STEPS + k - 1
 
 
+_Rows = tuple[torch.Tensor, "torch.Tensor | None"]  # the target's streams at some rows, and V4.1's pre mixes there
+
+
 @dataclass
 class _Held:
     """The rows a slot holds for its layer, in its buffer's first `rows` rows: the request's rows from
@@ -193,7 +198,7 @@ class MTPProposer:
     needs_streams = True
     tap_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: DeepseekV4, num_slots: int, max_model_len: int, k: int) -> None:
+    def __init__(self, model: DeepseekV4 | DeepseekV41, num_slots: int, max_model_len: int, k: int) -> None:
         if model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the checkpoint's MTP layer (load_model(mtp=True))")
         self.layer = model.mtp[0]
@@ -205,12 +210,14 @@ class MTPProposer:
         config = self.config = model.config
         self.held_streams = torch.zeros(num_slots, held_rows(k), config.hc_mult, config.hidden_size, dtype=dtype,
                                         device=device)
+        self.held_pre = (torch.zeros(num_slots, held_rows(k), config.hc_mult, device=device) if config.is_v41
+                         else None)
         self._held: list[_Held | None] = [None] * num_slots
         self.steps: MTPDraftSteps | None = None
 
     def device_bytes(self) -> int:
-        held = self.held_streams
-        return self.cache.nbytes() + held.numel() * held.element_size()
+        held = [self.held_streams] + ([self.held_pre] if self.held_pre is not None else [])
+        return self.cache.nbytes() + sum(t.numel() * t.element_size() for t in held)
 
     def use_static_steps(self) -> MTPDraftSteps:
         """From now on a step's decode chunks draft through fixed-shape steps (worker/mtp_graphs.py), run
@@ -246,7 +253,7 @@ class MTPProposer:
     def _propose_static(self, items: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         assert self.steps is not None
         sequences = [DraftRows(item.chunk.slot, item.chunk.position, (*item.forwarded[1: item.kept], item.next_token),
-                               item.streams[: item.kept]) for item in items]
+                               *self._rows(item)) for item in items]
         drafts = self.steps.draft(sequences)
         return {item.chunk.request_id: tuple(row) for item, row in zip(items, drafts) if item.chunk.draft_next}
 
@@ -259,7 +266,7 @@ class MTPProposer:
             held = self._continued(chunk)
             if held.rows > len(held.tokens):  # the waiting row's token is this chunk's first
                 held.tokens.append(item.forwarded[0])
-            rows = item.streams[: item.kept]
+            rows = self._rows(item)
             tokens = held.tokens + list(item.forwarded[1: item.kept])
             if item.next_token is not None:
                 tokens.append(item.next_token)
@@ -269,24 +276,25 @@ class MTPProposer:
                 self._held[slot] = _Held(chunk.request_id, held.position, tokens, total)
                 continue
             if held.rows:
-                inputs.append(self.held_streams[slot, : held.rows])
-            inputs.append(rows[: len(tokens) - held.rows])
+                inputs.append(_cut(self._held_rows(slot), 0, held.rows))
+            inputs.append(_cut(rows, 0, len(tokens) - held.rows))
             if item.next_token is None:  # the last row's next token comes with the next chunk
-                holds.append((slot, 0, rows[-1:]))
+                holds.append((slot, 0, _cut(rows, item.kept - 1, item.kept)))
                 self._held[slot] = _Held(chunk.request_id, held.position + len(tokens), [], 1)
             if tokens:
                 sequences.append((slot, tokens, held.position))
                 if item.next_token is not None and chunk.draft_next:
                     sampling.append((len(sequences) - 1, chunk.request_id))
-        streams = torch.cat(inputs) if inputs else None  # read the held rows before the holds overwrite any
+        # read the held rows before the holds overwrite any
+        streams, pre = (torch.cat([s for s, _ in inputs]), _cat_pre([p for _, p in inputs])) if inputs else (None, None)
         self._hold(holds)
         if not sampling:
             if sequences:
-                self.layer(streams, ForwardBatch.build(sequences), self.cache)
+                self.layer(streams, ForwardBatch.build(sequences), self.cache, pre=pre)
             return {}
         batch = ForwardBatch.build(sequences, logits=[[len(tokens) - 1] if any(i == index for i, _ in sampling) else []
                                                       for index, (_, tokens, _) in enumerate(sequences)])
-        logits, out = self.layer(streams, batch, self.cache)
+        logits, out, out_pre = self.layer(streams, batch, self.cache, pre=pre)
         firsts = logits.argmax(dim=-1)
         drafts = firsts[:, None]
         if self.k > 1:
@@ -295,10 +303,20 @@ class MTPProposer:
             decode = DecodeBatch.build([(slot, 0, position + len(tokens), list(self.cache.default_pages(slot)))
                                         for slot, tokens, position in last], device=firsts.device)
             decode = DecodeBatch(firsts, decode.positions, decode.slots, decode.block_tables)
-            chained, _ = greedy_drafts(self.layer, out[ends], decode, self.cache, self.k - 1)
+            chained, _ = greedy_drafts(self.layer, out[ends], decode, self.cache, self.k - 1,
+                                       None if out_pre is None else out_pre[ends])
             drafts = torch.cat([drafts, chained], dim=1)
         values = drafts.tolist()
         return {request_id: tuple(values[row]) for row, (_, request_id) in enumerate(sampling)}
+
+    def _rows(self, item: ComputedChunk) -> _Rows:
+        """The chunk's standing rows as the layer reads them: the target's streams (and V4.1's pre mixes)."""
+        if self.held_pre is not None and item.pre is None:
+            raise ValueError("a V4.1 MTP proposer reads the target's last pre mixes with its streams")
+        return item.streams[: item.kept], None if item.pre is None else item.pre[: item.kept]
+
+    def _held_rows(self, slot: int) -> _Rows:
+        return self.held_streams[slot], None if self.held_pre is None else self.held_pre[slot]
 
     def _continued(self, chunk: ScheduledChunk) -> _Held:
         """The rows the chunk's slot holds, taken out of it: its own when the chunk continues them, else none
@@ -315,14 +333,27 @@ class MTPProposer:
         return (item.next_token is not None and not chunk.draft_next and len(chunk.token_ids) == 1
                 and rows <= self.held_streams.shape[1])
 
-    def _hold(self, holds: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Copies each (slot, first row, rows) into the buffer: one gather and one indexed copy a step."""
+    def _hold(self, holds: list[tuple[int, int, _Rows]]) -> None:
+        """Copies each (slot, first row, rows) into the buffers: one gather and one indexed copy a step each."""
         if not holds:
             return
         width = self.held_streams.shape[1]
-        index = [slot * width + first + i for slot, first, rows in holds for i in range(rows.shape[0])]
+        index = [slot * width + first + i for slot, first, (rows, _) in holds for i in range(rows.shape[0])]
+        index = on_device(index, torch.long, self.held_streams.device)
         flat = self.held_streams.view(-1, *self.held_streams.shape[2:])
-        flat.index_copy_(0, on_device(index, torch.long, flat.device), torch.cat([rows for _, _, rows in holds]))
+        flat.index_copy_(0, index, torch.cat([rows for _, _, (rows, _) in holds]))
+        if self.held_pre is not None:
+            flat_pre = self.held_pre.view(-1, self.held_pre.shape[2])
+            flat_pre.index_copy_(0, index, torch.cat([pre for _, _, (_, pre) in holds]))
+
+
+def _cut(rows: _Rows, start: int, stop: int) -> _Rows:
+    streams, pre = rows
+    return streams[start:stop], None if pre is None else pre[start:stop]
+
+
+def _cat_pre(pres: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if pres[0] is None else torch.cat(pres)
 
 
 def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len: int, k: int, dtype: torch.dtype) -> int:
@@ -331,6 +362,8 @@ def mtp_proposer_bytes(model_config: ModelConfig, num_slots: int, max_model_len:
     cache = allocate_mtp_cache(model_config, num_slots + 1, max_model_len, dtype=dtype, device="meta",
                                draft_tokens=k)  # the scratch slot too
     held = num_slots * held_rows(k) * model_config.hc_mult * model_config.hidden_size * dtype.itemsize
+    if model_config.is_v41:  # the last pre mixes beside the streams, float32
+        held += num_slots * held_rows(k) * model_config.hc_mult * 4
     return cache.nbytes() + held
 
 

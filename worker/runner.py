@@ -112,6 +112,8 @@ class StepContext:
     accepted: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # a drafting chunk's passed drafts
     # the pre-head residual streams of each chunk's forwarded rows (for a proposer that reads them)
     streams: dict[str, torch.Tensor] = field(default_factory=dict)
+    # V4.1: the last pre mixes at the same rows [rows, hc_mult] (float32)
+    pres: dict[str, torch.Tensor] = field(default_factory=dict)
     # each chunk's taps: the mean stream entering each of the proposer's tap layers [rows, taps, hidden]
     taps: dict[str, torch.Tensor] = field(default_factory=dict)
     proposed: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the proposer's next drafts
@@ -425,6 +427,8 @@ class ModelRunner:
             if self.graphs.streams is not None:
                 forwarded = len(_forwarded(chunk))
                 step.streams[chunk.request_id] = self.graphs.streams[row : row + size * forwarded : size]
+                if self.graphs.pre is not None:
+                    step.pres[chunk.request_id] = self.graphs.pre[row : row + size * forwarded : size]
             if row in failed:
                 step.errors[chunk.request_id] = failed[row]
 
@@ -437,10 +441,12 @@ class ModelRunner:
         n_rows = sum(len(rows) for rows in logit_rows)
         out = self.logits[:n_rows] if n_rows <= self.logits.shape[0] else None
         kept = {}
-        if self._keeps_streams:  # an MTP proposer's (V4)
+        if self._keeps_streams:  # an MTP proposer's
             config = self.model.config
             kept["streams_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, config.hidden_size,
                                               dtype=self.model.lm_head.weight.dtype, device=self.logits.device)
+            if config.is_v41:  # its last pre mixes too
+                kept["pre_out"] = torch.empty(batch.token_ids.shape[0], config.hc_mult, device=self.logits.device)
         taps = None
         if self._keeps_taps:  # a DSpark proposer's
             layers = self.proposer.tap_layers
@@ -453,6 +459,8 @@ class ModelRunner:
             rows = slice(batch_chunk.start, batch_chunk.start + batch_chunk.length)
             if "streams_out" in kept:
                 step.streams[chunk.request_id] = kept["streams_out"][rows]
+            if "pre_out" in kept:
+                step.pres[chunk.request_id] = kept["pre_out"][rows]
             if taps is not None:
                 step.taps[chunk.request_id] = taps[rows]
         failed = self._engram_failures(batch.token_ids.shape[0])
@@ -559,7 +567,7 @@ class ModelRunner:
             sampled = step.sampled.get(rid)
             computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
                                           None if sampled is None else sampled.token_id, step.streams.get(rid),
-                                          step.taps.get(rid)))
+                                          step.taps.get(rid), step.pres.get(rid)))
         return computed
 
     def _tier_done(self, plan: StepPlan) -> tuple[TierDone, ...]:
