@@ -29,28 +29,22 @@ from models.hyper import HyperHead
 from models.layers import RMSNorm, logits_into
 from models.model import DecoderLayer, DeepseekV4
 from models.model_v41 import DeepseekV41
+from models.mtp_inputs import MTPInputs
 from models.mtp_v41 import MTPLayerV41
 from models.parallel import SINGLE, TensorParallel
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(MTPInputs):
     """MTP layer `index` of `config`; `embed` and `head` are the target's (kept, not registered: they are
     not this layer's parameters). Its attention state is a ModelCache of its own (`allocate_mtp_cache`),
     in which it is layer `index`."""
 
     def __init__(self, config: ModelConfig, index: int, embed: nn.Module, head: nn.Module,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.index = index
-        self.enorm = RMSNorm(d, eps)
-        self.hnorm = RMSNorm(d, eps)
-        self.e_proj = nn.Linear(d, d, bias=False)
-        self.h_proj = nn.Linear(d, d, bias=False)
+        super().__init__(config, index, embed, head)
         self.block = DecoderLayer(config.mtp_layers_config(), index, tp)
         self.hc_head = HyperHead(config)
-        self.norm = RMSNorm(d, eps)
-        self.shared = (embed, head)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, pre: None = None,
@@ -84,11 +78,6 @@ class MTPLayer(nn.Module):
     def draft_logits(self, streams: torch.Tensor, pre: None = None) -> torch.Tensor:
         """float32 logits [rows, vocab] of output streams [rows, hc_mult, D] (`advance`'s)."""
         return self._logits(streams, None)
-
-    def _inputs(self, streams: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        embed, _ = self.shared
-        tokens = self.e_proj(self.enorm(embed(token_ids)))
-        return self.h_proj(self.hnorm(streams)) + tokens.unsqueeze(1)
 
     def _logits(self, streams: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         _, head = self.shared

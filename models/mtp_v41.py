@@ -28,26 +28,20 @@ from models.csa2 import ChunkSelection
 from models.hyper import collapse
 from models.layers import RMSNorm, logits_into
 from models.model_v41 import DecoderLayerV41
+from models.mtp_inputs import MTPInputs
 from models.parallel import SINGLE, TensorParallel
 
 
-class MTPLayerV41(nn.Module):
+class MTPLayerV41(MTPInputs):
     """MTP layer `index` of a V4.1 `config`; `embed` and `head` are the target's (kept, not registered).
     Its state is a ModelCache of its own (models/mtp.py `allocate_mtp_cache`), in which it is layer
     `index`."""
 
     def __init__(self, config: ModelConfig, index: int, embed: nn.Module, head: nn.Module,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.index = index
-        self.enorm = RMSNorm(d, eps)
-        self.hnorm = RMSNorm(d, eps)
-        self.e_proj = nn.Linear(d, d, bias=False)
-        self.h_proj = nn.Linear(d, d, bias=False)
+        super().__init__(config, index, embed, head)
         self.block = DecoderLayerV41(config.mtp_layers_config(), index, tp)
-        self.norm = RMSNorm(d, eps)
-        self.shared = (embed, head)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, pre: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +74,4 @@ class MTPLayerV41(nn.Module):
                cache: ModelCache, selections: list[ChunkSelection]) -> tuple[torch.Tensor, torch.Tensor]:
         if pre is None:
             raise ValueError("a V4.1 MTP layer reads the target's last pre mixes with its streams")
-        embed, _ = self.shared
-        tokens = self.e_proj(self.enorm(embed(batch.token_ids)))
-        x = self.h_proj(self.hnorm(streams)) + tokens.unsqueeze(1)
-        return self.block(x, pre, batch, cache, selections, None, None)
+        return self.block(self._inputs(streams, batch.token_ids), pre, batch, cache, selections, None, None)
