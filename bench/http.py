@@ -88,7 +88,7 @@ class Sampling:
     top_p: float = 1.0
 
 
-async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int,
+async def one_request(client: AsyncOpenAI, model: str, prompt: list[int] | str, max_tokens: int,
                       sampling: Sampling = Sampling()) -> Timing:
     timing = Timing(sent=time.perf_counter())
     stream = await client.completions.create(
@@ -125,6 +125,14 @@ async def measure(client: AsyncOpenAI, model: str, concurrency: int, prompt_len:
                   sampling: Sampling = Sampling()) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
+    row = await timed_decode(client, model, prompts, max_tokens, api, server_pid, sampling)
+    return {"bench": "http.decode", "api": api, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens, **row}
+
+
+async def timed_decode(client: AsyncOpenAI, model: str, prompts: list[list[int]] | list[str], max_tokens: int,
+                       api: str = "completions", server_pid: int | None = None, sampling: Sampling = Sampling()) -> dict:
+    """All `prompts` sent at once (ignore_eos, `max_tokens` each, streamed): the figures `measure` reports."""
     request = one_chat if api == "chat" else one_request
     cpu_before = cpu_seconds(server_pid)
     began = time.perf_counter()
@@ -138,8 +146,6 @@ async def measure(client: AsyncOpenAI, model: str, concurrency: int, prompt_len:
     ttft = [1000 * (t.arrivals[0] - t.sent) for t in timings if t.arrivals]
     frontend_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     return {
-        "bench": "http.decode", "api": api, "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "concurrency": concurrency, "prompt_len": prompt_len, "max_tokens": max_tokens,
         "generated": generated, "tokens_per_s": generated / (last - began),
         "decode_tokens_per_s": (generated - len(first)) / decode_span if decode_span > 0 else None,
         "ttft_ms_p50": statistics.median(ttft), "ttft_ms_max": max(ttft),
