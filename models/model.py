@@ -87,15 +87,17 @@ class DeepseekV4(nn.Module):
         return logits_into(self.lm_head(hidden), out)
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, cache: ModelCache,
-               streams_out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, cache: ModelCache, streams_out: torch.Tensor | None = None,
+               taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab]. Reads no
         value on the host, so worker/cuda_graphs.py captures it; the same numbers as `forward` up to
-        the order of float sums. `streams_out` as `forward`'s ([B, hc_mult, hidden])."""
+        the order of float sums. `streams_out` and `taps_out` as `forward`'s ([B, ...])."""
         streams = self._streams(batch.token_ids)
         with rope_step():  # the layers of one rope kind share its cos / sin
             for index, layer in enumerate(self.model.layers):
                 streams = layer(streams, batch, cache, index)
+                if taps_out and index in taps_out:
+                    taps_out[index].copy_(streams.mean(dim=1))
         if streams_out is not None:
             streams_out.copy_(streams)
         return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()

@@ -137,11 +137,12 @@ class DeepseekV41(nn.Module):
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, cache: ModelCache, engram_rows: list[torch.Tensor] | None = None,
-               streams_out: torch.Tensor | None = None, pre_out: torch.Tensor | None = None) -> torch.Tensor:
+               streams_out: torch.Tensor | None = None, pre_out: torch.Tensor | None = None,
+               taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """A step of one new token per sequence (see DecodeBatch): float32 logits [B, vocab], reading no
         value on the host (worker/cuda_graphs.py captures it). `engram_rows`: per Engram layer, the
         rows [B, columns, head_dim] of the step's tokens (`engram_rows`), fetched before the step.
-        `streams_out` / `pre_out` as `forward`'s."""
+        `streams_out` / `pre_out` / `taps_out` as `forward`'s."""
         hc = self.config.hc_mult
         streams = self.model.embed_tokens(batch.token_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = torch.zeros(streams.shape[0], hc, dtype=torch.float32, device=streams.device)
@@ -151,7 +152,8 @@ class DeepseekV41(nn.Module):
         with rope_step():  # the layers of one rope kind share its cos / sin
             for index, layer in enumerate(self.model.layers):
                 rows = engram_rows[engram_index[index]] if index in engram_index else None
-                streams, pre = layer(streams, pre, batch, cache, [selection], None, rows)
+                tap = taps_out.get(index) if taps_out else None
+                streams, pre = layer(streams, pre, batch, cache, [selection], None, rows, tap)
         _hand_out(streams, pre, streams_out, pre_out)
         return self.lm_head(self.model.norm(collapse(pre, streams))).float()
 

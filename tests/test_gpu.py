@@ -869,6 +869,20 @@ def test_v41_verify_graphs_emit_plain_greedys_tokens(checkpoints):
     check_verify_graphs(model, "ngram")
 
 
+def test_dspark_runner_replays_graphs_that_keep_its_taps(tmp_path):
+    """A V4.1 runner drafting with DSpark captures decode and verify graphs that keep the draft's taps
+    (it ran eagerly before): greedy fed the drafts emits plain graphed greedy's tokens."""
+    from models import load_model
+    from models.dspark import attach_dspark, build_tiny_dspark
+    from models.tiny import build_tiny_checkpoint
+
+    target = build_tiny_checkpoint(tmp_path / "v41", seed=3)
+    draft = build_tiny_dspark(tmp_path / "draft", target, seed=4, dspark_markov_rank=128)
+    model = load_model(target, dtype=torch.bfloat16, device="cuda", simulate_quantization=False)
+    attach_dspark(model, draft)
+    check_verify_graphs(model, "dspark")  # confidence threshold 0: every block proposes K drafts
+
+
 def check_verify_graphs(model, method: str) -> None:
     from tests.test_proposers import K, decode
     from worker.proposers import build_proposer
@@ -879,6 +893,7 @@ def check_verify_graphs(model, method: str) -> None:
     runner = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True, draft_tokens=K,
                          proposer=proposer)
     assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
+    assert (runner.graphs.taps is not None) == bool(proposer.tap_layers)
     replays = runner.graphs.replays
     sent = []
     got, accepted = decode(runner, 24, lambda out, drafts: sent.append(len(drafts)))

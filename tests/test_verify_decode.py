@@ -5,7 +5,7 @@ indexer, HCA rate 16): rounds cross ring wraps and close CSA and HCA groups at e
 at different positions share each wave, and a sequence with fewer drafts pads its missing waves with
 rows in a scratch slot and page that no sequence reads. Shapes depend only on (sequences, waves, table
 width), as a CUDA graph needs; the chunk and decode paths differ in the order of float sums, hence the
-tolerance."""
+tolerance. The decode path hands out a DSpark proposer's taps as the chunk's forward does. V4.1 too."""
 
 from __future__ import annotations
 
@@ -54,18 +54,27 @@ def check_verify_batch(device: str, tolerance: dict) -> None:
         model(ForwardBatch.build([(slot, prompt, 0) for slot, prompt in enumerate(prompts)]), cache)
     positions = [len(p) for p in prompts]
     last = [5, 9]
+    taps = (0, model.config.num_layers - 1)
     generator = torch.Generator().manual_seed(4)
     for round_ in range(20):
         drafts = [random_tokens(DRAFTS, seed=100 + round_), random_tokens(DRAFTS - round_ % 3, seed=200 + round_)]
         forwarded = [[last[s], *drafts[s]] for s in range(2)]
-        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked)
-        got = model.decode(verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device), waved)
+        rows_in = sum(map(len, forwarded))
+        taps_out = {layer: torch.empty(rows_in, model.config.hidden_size, device=device) for layer in taps}
+        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked,
+                     taps_out=taps_out)
         waves = DRAFTS + 1
+        got_taps = {layer: torch.empty(2 * waves, model.config.hidden_size, device=device) for layer in taps}
+        got = model.decode(verify_rows([(s, forwarded[s], positions[s]) for s in range(2)], waved, device), waved,
+                           taps_out=got_taps)
         for s in range(2):
             rows = [j * 2 + s for j in range(len(forwarded[s]))]  # wave-major
             start = 0 if s == 0 else len(forwarded[0])
             torch.testing.assert_close(got[rows], want[start: start + len(forwarded[s])], **tolerance,
                                        msg=f"round {round_}, sequence {s}")
+            for layer in taps:  # a DSpark proposer's taps: the mean stream leaving the layer
+                torch.testing.assert_close(got_taps[layer][rows], taps_out[layer][start: start + len(forwarded[s])],
+                                           **tolerance, msg=f"round {round_}, sequence {s}, tap {layer}")
         assert got.shape[0] == 2 * waves
         for s in range(2):  # accept some drafts; the next round starts after them
             accepted = int(torch.randint(0, len(drafts[s]) + 1, (), generator=generator))
@@ -94,7 +103,9 @@ def test_a_v41_verify_batch_is_the_chunk_of_its_tokens(checkpoints):
 
 def test_v41_verify_steps_through_the_graphs_inputs_are_the_chunk_of_their_tokens(checkpoints):
     """The same rounds through worker/cuda_graphs.py's DecodeGraphs uncaptured (the static inputs, the
-    Engram fetch of every wave into the static rows, the body a graph captures, run eagerly)."""
+    Engram fetch of every wave into the static rows, the body a graph captures, run eagerly), keeping a
+    DSpark proposer's taps: each row's mean stream entering layers 1 and 3, as the chunk's forward
+    hands them out."""
     from models import load_model
 
     check_verify_batch_v41(load_model(checkpoints["v41"], simulate_quantization=False), "cpu", TOLERANCE,
@@ -106,8 +117,9 @@ def check_verify_batch_v41(model, device: str, tolerance: dict, through_graph_in
     waved = ModelCache.allocate(model.config, 3, 192, draft_tokens=DRAFTS, device=device)
     width = chunked.default_pages(0).shape[0]  # the whole 192 tokens' table
     memory, waves = model.engram_memory, DRAFTS + 1
+    taps = (1, 3)
     graphs = DecodeGraphs(model, waved, 2, width, scratch_slot=SCRATCH, scratch_page=waved.num_pages - 1,
-                          waves=waves)
+                          waves=waves, keep_taps=taps if through_graph_inputs else ())
     prompts = [random_tokens(37, seed=2), random_tokens(21, seed=3)]
     for cache in (chunked, waved):
         model(ForwardBatch.build([(slot, prompt, 0) for slot, prompt in enumerate(prompts)]), cache)
@@ -117,7 +129,10 @@ def check_verify_batch_v41(model, device: str, tolerance: dict, through_graph_in
         drafts = [random_tokens(DRAFTS, seed=100 + round_), random_tokens(DRAFTS - round_ % 3, seed=200 + round_)]
         forwarded = [[last[s], *drafts[s]] for s in range(2)]
         before = {id(cache): cache.engram_context[:2].tolist() for cache in (chunked, waved)}
-        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked)
+        rows_in = sum(map(len, forwarded))
+        taps_out = {layer: torch.empty(rows_in, model.config.hidden_size, device=device) for layer in taps}
+        want = model(ForwardBatch.build([(s, forwarded[s], positions[s]) for s in range(2)], logits="all"), chunked,
+                     taps_out=taps_out)
         if through_graph_inputs:
             pages = [tuple(waved.default_pages(s).tolist()) for s in range(2)]
             got = graphs.run_waves([[DecodeRow(s, forwarded[s][j], positions[s] + j, pages[s])
@@ -131,6 +146,9 @@ def check_verify_batch_v41(model, device: str, tolerance: dict, through_graph_in
             start = 0 if s == 0 else len(forwarded[0])
             torch.testing.assert_close(got[wave_rows], want[start: start + len(forwarded[s])], **tolerance,
                                        msg=f"round {round_}, sequence {s}")
+            for i, layer in enumerate(taps if through_graph_inputs else ()):
+                torch.testing.assert_close(graphs.taps[wave_rows, i], taps_out[layer][start: start + len(forwarded[s])],
+                                           **tolerance, msg=f"round {round_}, sequence {s}, tap {layer}")
         for s in range(2):
             accepted = int(torch.randint(0, len(drafts[s]) + 1, (), generator=generator))
             for cache in (chunked, waved):

@@ -32,7 +32,8 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
   wave-major DecodeBatch of `waves` rows a sequence (models/batch.py); graphs of `waves` rows a
   sequence are captured beside the one-row ones, and a sequence with fewer drafts pads its missing
   waves with scratch rows. `keep_streams`: every graph also writes the rows' pre-head residual streams
-  into a static buffer (what the MTP proposer reads).
+  into a static buffer (what the MTP proposer reads; V4.1's last pre mixes too); `keep_taps`: the
+  mean streams at a DSpark proposer's tap layers.
 Uncaptured (a CPU test's), `run_waves` fills the same static inputs and runs the body eagerly.
 After capture a replay asks the allocator for nothing (tests/test_gpu.py checks `num_device_alloc`
 and reserved bytes across a served decode run).
@@ -111,11 +112,12 @@ def capture_graphs(keys: list[Key], body: Callable[[Key], torch.Tensor]
 
 class DecodeGraphs:
     def __init__(self, model, cache: ModelCache, max_batch: int, max_pages: int, scratch_slot: int, scratch_page: int,
-                 waves: int = 1, keep_streams: bool = False):
+                 waves: int = 1, keep_streams: bool = False, keep_taps: tuple[int, ...] = ()):
         """`max_pages`: the widest block table (pages of max_model_len); `scratch_slot` /
         `scratch_page`: cache rows no request owns, written by padding rows. `waves` > 1: verify graphs
         of that many rows a sequence too (1 + the most drafts); `keep_streams`: the graphs write the
-        rows' pre-head streams into `streams`."""
+        rows' pre-head streams into `streams`; `keep_taps`: the mean stream at each of these layers
+        (a DSpark proposer's taps) into `taps` [rows, len(keep_taps), hidden]."""
         self.model, self.cache = model, cache
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         self.sizes = batch_buckets(max_batch)
@@ -129,6 +131,9 @@ class DecodeGraphs:
                                     device=device) if keep_streams else None)
         # V4.1's last pre mixes beside its streams (a V4.1 MTP layer reads both)
         self.pre = (torch.zeros(rows, config.hc_mult, device=device) if keep_streams and config.is_v41 else None)
+        self.tap_layers = keep_taps
+        self.taps = (torch.zeros(rows, len(keep_taps), config.hidden_size, dtype=model.lm_head.weight.dtype,
+                                 device=device) if keep_taps else None)
         # pinned copies, taking turns; each written through numpy (the same memory, without torch's per-op cost)
         self.stagings = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
@@ -158,6 +163,8 @@ class DecodeGraphs:
             kept["streams_out"] = self.streams[:rows]
         if self.pre is not None:
             kept["pre_out"] = self.pre[:rows]
+        if self.taps is not None:
+            kept["taps_out"] = {layer: self.taps[:rows, i] for i, layer in enumerate(self.tap_layers)}
         if self.engram_rows:
             return self.model.decode(batch, self.cache, [buffer[:rows] for buffer in self.engram_rows], **kept)
         return self.model.decode(batch, self.cache, **kept)

@@ -75,7 +75,7 @@ class DSparkProposer:
         return self.rings.numel() * self.rings.element_size()
 
     def capture_graphs(self) -> int:
-        return 0  # its taps come from the eager forward, so its runner captures no graphs
+        return 0  # its drafting runs eagerly (the target's graphs keep its taps)
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         taps, positions, slots, blocks = [], [], [], []

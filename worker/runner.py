@@ -180,8 +180,8 @@ class ModelRunner:
         defaulting to the group's) below its snapshot slots (worker/prefix_tiers.py). `draft_tokens`: the
         most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
         the module docstring). `proposer`: proposes each sampling request's next drafts after a step
-        (worker/proposers.py; the verify graphs keep the streams an MTP proposer reads; the taps a DSpark
-        proposer reads come from the eager forward, so such a runner captures no graphs). A proposer turns
+        (worker/proposers.py; the decode and verify graphs keep the streams an MTP proposer reads, or the
+        taps a DSpark proposer reads). A proposer turns
         pending inputs off: its drafts come from a step's result, so a decode's next chunk waits for it."""
         self.model = model
         self.proposer = proposer
@@ -196,7 +196,7 @@ class ModelRunner:
         if dtype == torch.bfloat16 and str(device).startswith("cuda") and not deterministic:
             lay_out_experts_for_mma(model)  # MXFP4 experts as the CUDA decode kernel reads them
         graphs = (cuda_graphs and str(device).startswith("cuda") and grouped_mm_supported(model.lm_head.weight)
-                  and not deterministic and tp.world_size == 1 and not self._keeps_taps)
+                  and not deterministic and tp.world_size == 1)
         scratch = 1 if graphs else 0
         self.cache = ModelCache.allocate(
             model.config, num_slots + snapshot_slots + scratch, max_model_len, dtype=dtype, device=device,
@@ -212,7 +212,8 @@ class ModelRunner:
             scratch_page = num_pages if num_pages is not None else int(self.cache.default_pages(scratch_slot)[0])
             max_pages = -(-max_model_len // self.cache.block_tokens)
             self.graphs = DecodeGraphs(model, self.cache, num_slots, max_pages, scratch_slot, scratch_page,
-                                       waves=1 + draft_tokens, keep_streams=self._keeps_streams)
+                                       waves=1 + draft_tokens, keep_streams=self._keeps_streams,
+                                       keep_taps=self.proposer.tap_layers if self._keeps_taps else ())
             self.graphs.capture()
         # the proposer's drafting graphs (the MTP layer's), beside the decode graphs' pool in the memory plan
         self.proposer_graph_bytes = proposer.capture_graphs() if graphs and proposer is not None else 0
@@ -429,6 +430,9 @@ class ModelRunner:
                 step.streams[chunk.request_id] = self.graphs.streams[row : row + size * forwarded : size]
                 if self.graphs.pre is not None:
                     step.pres[chunk.request_id] = self.graphs.pre[row : row + size * forwarded : size]
+            if self.graphs.taps is not None:
+                forwarded = len(_forwarded(chunk))
+                step.taps[chunk.request_id] = self.graphs.taps[row : row + size * forwarded : size]
             if row in failed:
                 step.errors[chunk.request_id] = failed[row]
 
