@@ -17,8 +17,9 @@ from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
 from engine.memory_plan import RecordLayout, prefix_tier_limits, record_layout
 from models import ConfigError, ModelCache, ModelConfig
 from models.cache import stored_kv_cache_dtype
-from models.dspark import DSparkConfig, ring_bytes
+from models.dspark import DSparkConfig
 from models.host_tier import HostTierSpec
+from worker.dspark import dspark_proposer_bytes
 from worker.proposers import mtp_proposer_bytes
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ def draft_state_bytes(config: "ServeConfig", model_config: ModelConfig, dtype: t
     held rows; `dspark`, the draft's config: its stages' context rings; nothing for ngram or without
     --speculative-config): part of the slots' fixed state."""
     if dspark is not None:
-        return ring_bytes(dspark, config.scheduler.max_num_seqs, dtype)
+        return dspark_proposer_bytes(dspark, config.scheduler.max_num_seqs, dtype)
     if not config.runtime.drafts_with_mtp:
         return 0
     return mtp_proposer_bytes(model_config, config.scheduler.max_num_seqs, max_len, config.runtime.draft_tokens, dtype)

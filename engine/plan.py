@@ -470,7 +470,8 @@ def _draft_state_note(plan: RigPlan) -> str:
     if plan.dspark is not None:
         d = plan.dspark
         return (f"; the DSpark rings {_size(plan.draft_state_bytes)} of it ({d.stages} stages x {plan.max_num_seqs}"
-                f" slots x {d.layers.sliding_window} rows x {d.layers.head_dim} x {plan.dtype.itemsize} B)")
+                f" + 1 slots x {d.layers.sliding_window} rows x {d.layers.head_dim} x {plan.dtype.itemsize} B;"
+                " the one: the draft graphs' scratch slot)")
     if plan.draft_state_bytes:
         return f"; the MTP draft layer's cache {_size(plan.draft_state_bytes)} of it"
     return ""

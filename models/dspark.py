@@ -424,6 +424,14 @@ class DraftedBlocks:
     confidence: torch.Tensor  # [N, block] float32 logits of the confidence head
 
 
+def confident_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSpec's cut: per row of confidence logits [N, k], the positions before the first whose sigmoid
+    is below `threshold` (all k with threshold 0)."""
+    below = torch.sigmoid(confidence) < threshold
+    whole = torch.full_like(below[:, 0], confidence.shape[1], dtype=torch.long)
+    return torch.where(below.any(dim=1), below.int().argmax(dim=1), whole)
+
+
 class DSparkDraft(nn.Module):
     """The stages (`mtp.{i}`), with the target's embedding and head (kept, not registered: they are the
     target's parameters). Sequences' context lives in rings the caller owns (`allocate_rings`)."""

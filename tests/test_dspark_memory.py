@@ -215,7 +215,7 @@ def test_the_plan_prints_the_draft(dirs, capsys):
                                                         "model": str(drafts[32])})]
     status, out, err = plan_main(capsys, *sets)
     assert status == 0, err
-    assert f"  {DRAFT}" in out and "the DSpark rings 96.00 KiB of it (3 stages x 8 slots x 16 rows x 64 x 4 B)" in out
+    assert f"  {DRAFT}" in out and "the DSpark rings 108.00 KiB of it (3 stages x 8 + 1 slots x 16 rows x 64 x 4 B" in out
 
 
 def test_the_release_plans_its_draft_from_the_published_config(capsys):
@@ -226,7 +226,7 @@ def test_the_release_plans_its_draft_from_the_published_config(capsys):
     status, out, err = plan_main(capsys, "--config", "configs/rtxpro6000x4.yaml", "--set",
                                  f"runtime.speculative_config={model}")
     assert status == 0, err
-    assert f"  {DRAFT}" in out and "the DSpark rings 6.00 MiB of it (3 stages x 16 slots x 128 rows x 512 x 2 B)" in out
+    assert f"  {DRAFT}" in out and "the DSpark rings 6.38 MiB of it (3 stages x 16 + 1 slots x 128 rows x 512 x 2 B" in out
     status, _, err = plan_main(capsys, "--config", "configs/rtxpro6000x4.yaml", "--set",
                                "parallel.tensor_parallel_size=2", "--set", f"runtime.speculative_config={model}")
     assert status == 1 and "does not fit" in err and "no draft layers (runtime.speculative_config" in err, err

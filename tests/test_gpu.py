@@ -1002,3 +1002,28 @@ def test_mtp_draft_graphs_replay_their_eager_steps(family, tmp_path):
         assert graphed.propose(chunks) == eager.propose(chunks), f"step {step}"
     assert graphed.steps.runs == eager.steps.runs and len(graphed.steps.runs) >= 10
     assert all(torch.equal(a, b) for a, b in zip(graphed.cache.tensors(), eager.cache.tensors()))
+
+
+def test_dspark_draft_graphs_replay_their_eager_steps(tmp_path):
+    """The DSpark proposer's draft graphs (worker/dspark_graphs.py), captured, against the same steps run
+    eagerly on the GPU (tests/test_mtp_draft_steps.py's script with taps): the same drafts and confidence
+    cuts, bitwise the same rings."""
+    from models import load_model
+    from models.dspark import attach_dspark, build_tiny_dspark
+    from models.tiny import build_tiny_checkpoint
+    from tests.test_mtp_draft_steps import SLOTS, steps_script
+    from tests.test_proposers import K
+    from worker.dspark import DSparkProposer
+
+    target = build_tiny_checkpoint(tmp_path / "v41", seed=3)
+    model = load_model(target, dtype=torch.bfloat16, device="cuda")
+    attach_dspark(model, build_tiny_dspark(tmp_path / "draft", target, seed=4, dspark_markov_rank=128))
+    eager = DSparkProposer(model, num_slots=SLOTS, k=K, confidence_threshold=0.5)
+    eager.use_static_steps()
+    graphed = DSparkProposer(model, num_slots=SLOTS, k=K, confidence_threshold=0.5)
+    assert graphed.capture_graphs() > 0 and graphed.steps is not None and graphed.steps.graphs
+    script, _ = steps_script(seed=1, like=model.lm_head.weight, config=model.config, taps=len(eager.tap_layers))
+    for step, chunks in enumerate(script):
+        assert graphed.propose(chunks) == eager.propose(chunks), f"step {step}"
+    assert graphed.steps.runs == eager.steps.runs and len(graphed.steps.runs) >= 10
+    assert torch.equal(graphed.rings, eager.rings)

@@ -31,11 +31,18 @@ def model():
 
 def computed(slot: int, tokens: tuple[int, ...], position: int, drafts: tuple[int, ...], kept: int,
              next_token: int | None, draft_next: bool = True, seed: int = 0,
-             like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG) -> ComputedChunk:
+             like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG, taps: int = 0) -> ComputedChunk:
     """A chunk as a step left it, the target's streams at its rows random (on `like`'s device and dtype),
-    and a V4.1 `config`'s last pre mixes there (float32, positive, summing to 1)."""
+    and a V4.1 `config`'s last pre mixes there (float32, positive, summing to 1); with `taps`, a DSpark
+    proposer's taps [rows, taps, hidden] instead."""
     rows = len(tokens) + len(drafts)
     generator = torch.Generator().manual_seed(seed)
+    if taps:
+        tapped = torch.randn(rows, taps, config.hidden_size, generator=generator).to(like)
+        chunk = ScheduledChunk(request_id=f"r{slot}", slot=slot, pages=(), token_ids=tokens, position=position,
+                               sample=next_token is not None, logprob_targets=(), params=GREEDY, num_generated=0,
+                               draft_token_ids=drafts, draft_next=draft_next)
+        return ComputedChunk(chunk, kept, next_token, taps=tapped)
     streams = torch.randn(rows, config.hc_mult, config.hidden_size, generator=generator).to(like)
     pre = torch.rand(rows, config.hc_mult, generator=generator).softmax(-1).to(like.device) if config.is_v41 else None
     chunk = ScheduledChunk(request_id=f"r{slot}", slot=slot, pages=(), token_ids=tokens, position=position,
@@ -44,7 +51,7 @@ def computed(slot: int, tokens: tuple[int, ...], position: int, drafts: tuple[in
     return ComputedChunk(chunk, kept, next_token, streams, pre=pre)
 
 
-def steps_script(seed: int, like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG
+def steps_script(seed: int, like: torch.Tensor = torch.empty(0), config: ModelConfig = CONFIG, taps: int = 0
                  ) -> tuple[list[list[ComputedChunk]], dict[int, int]]:
     """Slot 0 and 1 prefill (slot 1 in two chunks, its first a step of its own), then decode with K drafts
     each and a random number of them standing; slot 2 prefills in the middle, beside the decodes; every
@@ -52,7 +59,7 @@ def steps_script(seed: int, like: torch.Tensor = torch.empty(0), config: ModelCo
     rng = random.Random(seed)
     prompts = {0: random_tokens(9, seed=1), 1: random_tokens(20, seed=2), 2: random_tokens(14, seed=3)}
     positions = {}
-    setting = dict(like=like, config=config)
+    setting = dict(like=like, config=config, taps=taps)
     script = [[computed(1, tuple(prompts[1][:12]), 0, (), 12, None, seed=rng.randrange(10**6), **setting)]]
     first = [computed(0, tuple(prompts[0]), 0, (), 9, rng.randrange(7, 500), seed=rng.randrange(10**6), **setting),
              computed(1, tuple(prompts[1][12:]), 12, (), 8, rng.randrange(7, 500), seed=rng.randrange(10**6),

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.dspark import BlockBatch, DSparkDraft, allocate_rings
+from models.dspark import BlockBatch, DSparkConfig, DSparkDraft, allocate_rings, confident_lengths, ring_bytes
+from worker.dspark_graphs import DSparkDraftSteps, DSparkRows
 
 if TYPE_CHECKING:  # worker/proposers.py builds this proposer
     from worker.proposers import ComputedChunk
@@ -68,16 +69,57 @@ class DSparkProposer:
         self.draft, self.k, self.threshold = draft, k, confidence_threshold
         self.tap_layers = draft.config.tap_layers
         weight = model.lm_head.weight
-        self.rings = allocate_rings(draft.config, num_slots, weight.dtype, weight.device)
+        # one slot more than the requests': the static draft steps' scratch rows and blocks use it
+        self.rings = allocate_rings(draft.config, num_slots + 1, weight.dtype, weight.device)
         self._slots: list[SlotContext | None] = [None] * num_slots
+        self.steps: DSparkDraftSteps | None = None
 
     def device_bytes(self) -> int:
         return self.rings.numel() * self.rings.element_size()
 
+    def use_static_steps(self) -> DSparkDraftSteps:
+        """From now on a step's decode chunks draft through fixed-shape steps (worker/dspark_graphs.py), run
+        eagerly until `capture_graphs` captures them."""
+        num_slots = len(self._slots)
+        self.steps = DSparkDraftSteps(self.draft, self.rings, num_slots, self.k, self.threshold, scratch_slot=num_slots)
+        return self.steps
+
     def capture_graphs(self) -> int:
-        return 0  # its drafting runs eagerly (the target's graphs keep its taps)
+        reserved = torch.cuda.memory_reserved()
+        self.use_static_steps().capture()
+        return torch.cuda.memory_reserved() - reserved
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
+        static = self._static(computed)
+        drafts = self._propose_static(static) if static else {}
+        if len(static) < len(computed):
+            taken = {id(item) for item in static}
+            drafts |= self._propose_eager([item for item in computed if id(item) not in taken])
+        return drafts
+
+    def _static(self, computed: list[ComputedChunk]) -> list[ComputedChunk]:
+        """The chunks the static steps take: decode chunks (one token and its verified drafts) that sampled,
+        when one of them drafts next."""
+        if self.steps is None:
+            return []
+        static = [item for item in computed if item.taps is not None and item.next_token is not None
+                  and len(item.chunk.token_ids) == 1 and 1 <= item.kept <= self.steps.rows_each]
+        return static if any(item.chunk.draft_next for item in static) else []
+
+    def _propose_static(self, items: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
+        assert self.steps is not None
+        sequences = []
+        for item in items:
+            chunk = item.chunk
+            context = self._context(chunk.request_id, chunk.slot, chunk.position)
+            context.end = chunk.position + item.kept
+            sequences.append(DSparkRows(chunk.slot, chunk.position, item.taps[: item.kept], item.next_token,
+                                        context.first))
+        drafted = self.steps.draft(sequences)
+        return {item.chunk.request_id: tuple(tokens[:count]) for item, (tokens, count) in zip(items, drafted)
+                if item.chunk.draft_next and count}
+
+    def _propose_eager(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         taps, positions, slots, blocks = [], [], [], []
         window = self.rings.shape[2]
         for item in computed:
@@ -108,11 +150,8 @@ class DSparkProposer:
         return {request_id: tuple(tokens[n][: counts[n]]) for n, (request_id, _) in enumerate(blocks) if counts[n]}
 
     def confident_lengths(self, confidence: torch.Tensor) -> torch.Tensor:
-        """DeepSpec's cut: per row of confidence logits [N, k], the positions before the first whose sigmoid
-        is below the threshold (all k with threshold 0)."""
-        below = torch.sigmoid(confidence) < self.threshold
-        whole = torch.full_like(below[:, 0], confidence.shape[1], dtype=torch.long)
-        return torch.where(below.any(dim=1), below.int().argmax(dim=1), whole)
+        """models/dspark.py confident_lengths at this proposer's threshold."""
+        return confident_lengths(confidence, self.threshold)
 
     def _context(self, request_id: str, slot: int, position: int) -> SlotContext:
         """The slot's context record, started afresh at `position` unless the chunk continues it."""
@@ -120,3 +159,9 @@ class DSparkProposer:
         if context is None or context.request_id != request_id or context.end != position:
             context = self._slots[slot] = SlotContext(request_id, position, position)
         return context
+
+
+def dspark_proposer_bytes(config: DSparkConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """DSparkProposer.device_bytes() for `num_slots` request slots without building it (its rings, with the
+    scratch slot): what `python -m server plan` counts."""
+    return ring_bytes(config, num_slots + 1, dtype)
