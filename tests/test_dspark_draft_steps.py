@@ -12,9 +12,8 @@ import torch
 from models import load_model
 from models.dspark import attach_dspark, build_tiny_dspark
 from models.tiny import build_tiny_checkpoint
-from tests.test_mtp_draft_steps import SLOTS, steps_script
-from tests.test_proposers import K, decode
-from worker import ModelRunner
+from tests.test_mtp_draft_steps import SLOTS, check_greedy_with_static_steps, steps_script
+from tests.test_proposers import K
 from worker.dspark import DSparkProposer
 
 
@@ -46,15 +45,4 @@ def test_static_draft_steps_propose_the_eager_paths_drafts(model, threshold):
 
 def test_greedy_with_static_dspark_steps_is_plain_greedy(model):
     """Through a runner (deterministic): plain greedy's tokens and logprobs, the same drafts as eagerly."""
-    want, _ = decode(ModelRunner(model, num_slots=2, max_model_len=128, deterministic=True), 16)
-    sent = {}
-    for static in (False, True):
-        proposer = DSparkProposer(model, num_slots=2, k=K)
-        if static:
-            proposer.use_static_steps()
-        runner = ModelRunner(model, num_slots=2, max_model_len=128, deterministic=True, draft_tokens=K,
-                             proposer=proposer)
-        drafts = sent[static] = []
-        got, _ = decode(runner, 16, lambda out, proposed: drafts.append(proposed))
-        assert got == want
-    assert sent[True] == sent[False] and sum(map(len, sent[True])) >= 2 * K
+    check_greedy_with_static_steps(model, lambda: DSparkProposer(model, num_slots=2, k=K), 16)

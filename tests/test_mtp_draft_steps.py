@@ -121,16 +121,23 @@ def test_held_rows_go_through_the_eager_path_first(model):
 
 def test_greedy_with_static_draft_steps_is_plain_greedy(model):
     """Through a runner: the tokens and logprobs of plain greedy, the drafts those of the eager path."""
-    want = plain(model, 24)
+    check_greedy_with_static_steps(model, lambda: MTPProposer(model, num_slots=2, max_model_len=128, k=K), 24)
+
+
+def check_greedy_with_static_steps(model, make_proposer, length: int) -> None:
+    """Deterministic greedy through a runner fed each step's drafts, with a proposer from `make_proposer`
+    drafting eagerly, then through its static steps: plain greedy's tokens and logprobs both times, the
+    same drafts, and some of them."""
+    want = plain(model, length)
     drafts = {}
     for static in (False, True):
-        proposer = MTPProposer(model, num_slots=2, max_model_len=128, k=K)
+        proposer = make_proposer()
         if static:
             proposer.use_static_steps()
         runner = ModelRunner(model, num_slots=2, max_model_len=128, deterministic=True, draft_tokens=K,
                              proposer=proposer)
         sent = drafts[static] = []
-        got, _ = decode(runner, 24, lambda out, proposed: sent.append(proposed))
+        got, _ = decode(runner, length, lambda out, proposed: sent.append(proposed))
         assert got == want
     assert drafts[True] == drafts[False] and sum(map(len, drafts[True])) >= 2 * K
 

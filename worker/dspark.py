@@ -39,6 +39,7 @@ import torch
 
 from models.dspark import BlockBatch, DSparkConfig, DSparkDraft, allocate_rings, confident_lengths, ring_bytes
 from worker.dspark_graphs import DSparkDraftSteps, DSparkRows
+from worker.static_steps import split_step
 
 if TYPE_CHECKING:  # worker/proposers.py builds this proposer
     from worker.proposers import ComputedChunk
@@ -90,12 +91,7 @@ class DSparkProposer:
         return torch.cuda.memory_reserved() - reserved
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
-        static = self._static(computed)
-        drafts = self._propose_static(static) if static else {}
-        if len(static) < len(computed):
-            taken = {id(item) for item in static}
-            drafts |= self._propose_eager([item for item in computed if id(item) not in taken])
-        return drafts
+        return split_step(computed, self._static(computed), self._propose_static, self._propose_eager)
 
     def _static(self, computed: list[ComputedChunk]) -> list[ComputedChunk]:
         """The chunks the static steps take: decode chunks (one token and its verified drafts) that sampled,
@@ -103,7 +99,7 @@ class DSparkProposer:
         if self.steps is None:
             return []
         static = [item for item in computed if item.taps is not None and item.next_token is not None
-                  and len(item.chunk.token_ids) == 1 and 1 <= item.kept <= self.steps.rows_each]
+                  and len(item.chunk.token_ids) == 1 and 1 <= item.kept <= self.steps.waves]
         return static if any(item.chunk.draft_next for item in static) else []
 
     def _propose_static(self, items: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:

@@ -17,13 +17,12 @@ the same rows (writes to distinct ring rows, a block per sequence), so the draft
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
 
 from models.dspark import BlockBatch, DSparkDraft, confident_lengths
-from worker.cuda_graphs import batch_buckets, capture_graphs
+from worker.static_steps import StaticDraftSteps
 
 POSITION, SLOT = 0, 1  # columns of the context rows
 SEQ_SLOT, SEQ_TOKEN, SEQ_LAST, SEQ_FIRST = 0, 1, 2, 3  # columns of the sequences
@@ -42,75 +41,47 @@ class DSparkRows:
     first: int
 
 
-class DSparkDraftSteps:
+class DSparkDraftSteps(StaticDraftSteps):
     def __init__(self, draft: DSparkDraft, rings: torch.Tensor, max_batch: int, k: int, threshold: float,
                  scratch_slot: int) -> None:
         """`rings`: the proposer's (models/dspark.py allocate_rings), whose `scratch_slot` no request owns."""
-        self.layers, self.rings, self.k, self.threshold = draft, rings, k, threshold
-        self.scratch_slot = scratch_slot
-        self.sizes = batch_buckets(max_batch)
-        self.rows_each = 1 + k
-        self.max_rows = max_batch * self.rows_each
-        config = draft.config
-        device = rings.device
-        # one flat int64 buffer: [rows, 2] context rows, [max_batch, 4] sequences, [rows] tap destinations
-        self.seq_at = 2 * self.max_rows
+        rows = max_batch * (1 + k)
+        # the flat inputs: [rows, 2] context rows, [max_batch, 4] sequences, [rows] tap destinations
+        self.seq_at = 2 * rows
         self.dest_at = self.seq_at + 4 * max_batch
-        self.inputs = torch.zeros(self.dest_at + self.max_rows, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.host = self.staging.numpy()
-        self.taps = torch.zeros(self.max_rows, len(config.tap_layers), config.layers.hidden_size, dtype=rings.dtype,
-                                device=device)
+        super().__init__(max_batch, k, self.dest_at + rows, rings.device)
+        self.layers, self.rings, self.threshold, self.scratch_slot = draft, rings, threshold, scratch_slot
+        config = draft.config
+        self.taps = torch.zeros(rows, len(config.tap_layers), config.layers.hidden_size, dtype=rings.dtype,
+                                device=rings.device)
         self.noise = torch.full((max_batch, config.block_size - 1), config.noise_token_id, dtype=torch.long,
-                                device=device)
-        self.offsets = torch.arange(1, config.block_size + 1, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.runs: list[int] = []  # each draft's sequences (the last 64)
-
-    def capture(self) -> None:
-        """Captures one graph per batch bucket (largest first); `draft` replays them from then on."""
-        self._fill_scratch(self.sizes[-1])
-        self.inputs.copy_(self.staging)
-        self.graphs, self.outputs, _ = capture_graphs(sorted(self.sizes, reverse=True), self.body)
+                                device=rings.device)
+        self.offsets = torch.arange(1, config.block_size + 1, device=rings.device)
 
     @torch.inference_mode()
     def draft(self, sequences: list[DSparkRows]) -> list[tuple[list[int], int]]:
         """Each sequence's K drafts and how many of them its confidence keeps, writing its standing rows'
         context first."""
-        n = len(sequences)
-        size = self.sizes[bisect_left(self.sizes, n)]
-        self.runs = self.runs[-63:] + [n]
-        self._fill_scratch(size)
-        host = self.host
-        rows = host[: self.seq_at].reshape(self.max_rows, 2)
-        seqs = host[self.seq_at: self.dest_at].reshape(-1, 4)
+        size = self.start(len(sequences))
+        rows = self.host[: self.seq_at].reshape(self.max_rows, 2)
+        seqs = self.host[self.seq_at: self.dest_at].reshape(-1, 4)
         destinations = []
         for i, sequence in enumerate(sequences):
             count = sequence.taps.shape[0]
-            if not 1 <= count <= self.rows_each:
-                raise ValueError(f"a sequence of {count} rows: the draft steps take 1 to {self.rows_each}")
-            at = [j * size + i for j in range(count)]
+            at = self.rows_at(size, i, count)
             rows[at, POSITION] = range(sequence.position, sequence.position + count)
             rows[at, SLOT] = sequence.slot
             seqs[i] = sequence.slot, sequence.next_token, sequence.position + count - 1, sequence.first
             destinations += at
-        host[self.dest_at: self.dest_at + len(destinations)] = destinations
-        self.inputs.copy_(self.staging, non_blocking=True)  # read back below, before the staging is written again
-        where = self.inputs[self.dest_at: self.dest_at + len(destinations)]
-        self.taps.index_copy_(0, where, torch.cat([sequence.taps for sequence in sequences]))
-        if self.graphs:
-            self.graphs[size].replay()
-            out = self.outputs[size]
-        else:
-            out = self.body(size)
-        values = out[:n].tolist()
+        self.host[self.dest_at: self.dest_at + len(destinations)] = destinations
+        gathers = [(self.taps, torch.cat([sequence.taps for sequence in sequences]))]
+        values = self.run(size, gathers, self.dest_at, len(destinations))[: len(sequences)].tolist()
         return [(row[: self.k], row[self.k]) for row in values]
 
     @torch.inference_mode()
     def body(self, size: int) -> torch.Tensor:
         """What bucket `size`'s graph runs: int64 [size, K + 1], each sequence's K drafts then how many to keep."""
-        count = size * self.rows_each
+        count = size * self.waves
         rows = self.inputs[: self.seq_at].view(self.max_rows, 2)[:count]
         self.layers.write_context(self.taps[:count], rows[:, POSITION], rows[:, SLOT], self.rings)
         seqs = self.inputs[self.seq_at: self.dest_at].view(-1, 4)[:size]
@@ -122,9 +93,9 @@ class DSparkDraftSteps:
         keep = confident_lengths(drafted.confidence[:, : self.k], self.threshold)
         return torch.cat([drafted.tokens[:, : self.k], keep[:, None]], dim=1)
 
-    def _fill_scratch(self, size: int) -> None:
+    def fill_scratch(self, size: int) -> None:
         """Every context row of bucket `size` a scratch row, every sequence a scratch block."""
-        rows = self.host[: self.seq_at].reshape(self.max_rows, 2)[: size * self.rows_each]
+        rows = self.host[: self.seq_at].reshape(self.max_rows, 2)[: size * self.waves]
         rows[:, POSITION], rows[:, SLOT] = 0, self.scratch_slot
         seqs = self.host[self.seq_at: self.dest_at].reshape(-1, 4)[:size]
         seqs[:] = self.scratch_slot, 0, 0, 0

@@ -27,7 +27,6 @@ logits, which only changes how many drafts verification accepts, never a token t
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ import torch
 from models import DecodeBatch, ModelCache, ModelConfig
 from models.mtp import MTPLayer, greedy_drafts
 from models.mtp_v41 import MTPLayerV41
-from worker.cuda_graphs import batch_buckets, capture_graphs
+from worker.static_steps import StaticDraftSteps
 
 TOKEN, POSITION, SLOT = 0, 1, 2  # columns of the row inputs
 
@@ -53,75 +52,43 @@ class DraftRows:
     pre: torch.Tensor | None = None  # V4.1: the target's last pre mixes there [len(tokens), hc_mult]
 
 
-class MTPDraftSteps:
+class MTPDraftSteps(StaticDraftSteps):
     def __init__(self, layer: MTPLayer | MTPLayerV41, cache: ModelCache, config: ModelConfig, max_batch: int, k: int,
                  scratch_slot: int) -> None:
         """`cache`: the layer's own (models/mtp.py allocate_mtp_cache, with `k` draft rows), whose
         `scratch_slot` no request owns; `config`: the target's."""
-        self.layer, self.cache, self.k, self.scratch_slot = layer, cache, k, scratch_slot
-        self.sizes = batch_buckets(max_batch)
-        self.waves = 1 + k
-        self.max_rows = max_batch * self.waves
         weight = layer.h_proj.weight
-        device = weight.device
-        # each slot's pages of the layer's cache (fixed: the cache hands a slot its own)
-        self.pages = torch.stack([cache.default_pages(slot) for slot in range(scratch_slot + 1)]).to(device)
-        # one flat int64 buffer, one upload a step: [rows, 3] row inputs, [max_batch] last rows, [rows] destinations
-        self.last_at = 3 * self.max_rows
+        rows = max_batch * (1 + k)
+        # the flat inputs: [rows, 3] row inputs, [max_batch] each sequence's last row, [rows] destinations
+        self.last_at = 3 * rows
         self.dest_at = self.last_at + max_batch
-        self.inputs = torch.zeros(self.dest_at + self.max_rows, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.host = self.staging.numpy()
-        self.streams = torch.zeros(self.max_rows, config.hc_mult, config.hidden_size, dtype=weight.dtype, device=device)
-        self.pre = torch.zeros(self.max_rows, config.hc_mult, device=device) if config.is_v41 else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.runs: list[int] = []  # each draft's sequences (the last 64)
-
-    def capture(self) -> None:
-        """Captures one graph per batch bucket (largest first); `draft` replays them from then on."""
-        self._fill_scratch(self.sizes[-1])
-        self.inputs.copy_(self.staging)
-        largest_first = sorted(self.sizes, reverse=True)
-        self.graphs, self.outputs, _ = capture_graphs(largest_first, self.body)
-
-    def bucket(self, sequences: int) -> int:
-        return self.sizes[bisect_left(self.sizes, sequences)]
+        super().__init__(max_batch, k, self.dest_at + rows, weight.device)
+        self.layer, self.cache, self.scratch_slot = layer, cache, scratch_slot
+        # each slot's pages of the layer's cache (fixed: the cache hands a slot its own)
+        self.pages = torch.stack([cache.default_pages(slot) for slot in range(scratch_slot + 1)]).to(weight.device)
+        self.streams = torch.zeros(rows, config.hc_mult, config.hidden_size, dtype=weight.dtype, device=weight.device)
+        self.pre = torch.zeros(rows, config.hc_mult, device=weight.device) if config.is_v41 else None
 
     @torch.inference_mode()
     def draft(self, sequences: list[DraftRows]) -> list[list[int]]:
         """The K greedy drafts after each sequence's rows (at most `max_batch` sequences of at most 1 + K
-        rows), appending the rows to the layer's state; one upload, one gather of the streams, one graph
-        replay (or the body run eagerly when uncaptured) and one read of the drafts."""
-        n = len(sequences)
-        size = self.bucket(n)
-        self.runs = self.runs[-63:] + [n]
-        self._fill_scratch(size)
-        host = self.host
-        rows = host[: self.last_at].reshape(self.max_rows, 3)
+        rows), appending the rows to the layer's state."""
+        size = self.start(len(sequences))
+        rows = self.host[: self.last_at].reshape(self.max_rows, 3)
         destinations = []
         for i, sequence in enumerate(sequences):
             count = len(sequence.tokens)
-            if not 1 <= count <= self.waves:
-                raise ValueError(f"a sequence of {count} rows: the draft steps take 1 to {self.waves}")
-            at = [j * size + i for j in range(count)]
+            at = self.rows_at(size, i, count)
             rows[at, TOKEN] = sequence.tokens
             rows[at, POSITION] = range(sequence.position, sequence.position + count)
             rows[at, SLOT] = sequence.slot
-            host[self.last_at + i] = at[-1]
+            self.host[self.last_at + i] = at[-1]
             destinations += at
-        host[self.dest_at: self.dest_at + len(destinations)] = destinations
-        self.inputs.copy_(self.staging, non_blocking=True)  # read back below, before the staging is written again
-        where = self.inputs[self.dest_at: self.dest_at + len(destinations)]
-        self.streams.index_copy_(0, where, torch.cat([sequence.streams for sequence in sequences]))
+        self.host[self.dest_at: self.dest_at + len(destinations)] = destinations
+        gathers = [(self.streams, torch.cat([sequence.streams for sequence in sequences]))]
         if self.pre is not None:
-            self.pre.index_copy_(0, where, torch.cat([sequence.pre for sequence in sequences]))
-        if self.graphs:
-            self.graphs[size].replay()
-            drafts = self.outputs[size]
-        else:
-            drafts = self.body(size)
-        return drafts[:n].tolist()
+            gathers.append((self.pre, torch.cat([sequence.pre for sequence in sequences])))
+        return self.run(size, gathers, self.dest_at, len(destinations))[: len(sequences)].tolist()
 
     @torch.inference_mode()
     def body(self, size: int) -> torch.Tensor:
@@ -141,7 +108,7 @@ class MTPDraftSteps:
         chained, _ = greedy_drafts(self.layer, streams, chain, self.cache, self.k - 1, pre)
         return torch.cat([first[:, None], chained], dim=1)
 
-    def _fill_scratch(self, size: int) -> None:
+    def fill_scratch(self, size: int) -> None:
         """Every row of bucket `size` a scratch row, every sequence's last row its first wave's."""
         rows = self.host[: self.last_at].reshape(self.max_rows, 3)[: size * self.waves]
         rows[:, TOKEN], rows[:, POSITION], rows[:, SLOT] = 0, 0, self.scratch_slot

@@ -39,6 +39,7 @@ from models.mtp import allocate_mtp_cache, greedy_drafts
 from models.transfer import on_device
 from worker.dspark import DSparkProposer
 from worker.mtp_graphs import DraftRows, MTPDraftSteps
+from worker.static_steps import split_step
 
 PROPOSER_METHODS = ("mtp", "ngram", "dspark")
 
@@ -232,12 +233,7 @@ class MTPProposer:
         return torch.cuda.memory_reserved() - reserved
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
-        static = self._static(computed)
-        drafts = self._propose_static(static) if static else {}
-        if len(static) < len(computed):
-            taken = {id(item) for item in static}
-            drafts |= self._propose_eager([item for item in computed if id(item) not in taken])
-        return drafts
+        return split_step(computed, self._static(computed), self._propose_static, self._propose_eager)
 
     def _static(self, computed: list[ComputedChunk]) -> list[ComputedChunk]:
         """The chunks the static steps draft after: decode chunks (one token and its verified drafts) that
