@@ -892,7 +892,8 @@ def check_verify_graphs(model, method: str) -> None:
     proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
     runner = ModelRunner(model, num_slots=2, max_model_len=128, device="cuda", cuda_graphs=True, draft_tokens=K,
                          proposer=proposer)
-    assert runner.graphs is not None and runner.graphs.waves == [1, K + 1]
+    assert runner.graphs is not None and runner.graphs.waves == list(range(1, K + 2))
+    assert {waves for _, _, waves in runner.graphs.graphs} == set(range(1, K + 2))  # batch x K buckets
     assert (runner.graphs.taps is not None) == bool(proposer.tap_layers)
     replays = runner.graphs.replays
     sent = []

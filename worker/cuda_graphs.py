@@ -29,9 +29,10 @@ capturable is the models' `decode` (V4 and V4.1): shapes fixed by the batch, no 
   `bench.engram --cuda-graphs`). One graph per step, not split at the Engram layers: the rows are known before
   the first layer runs, so a split would only move the wait.
 - Verify steps (speculative decoding, `waves` > 1): each sequence's last token and its drafts as a
-  wave-major DecodeBatch of `waves` rows a sequence (models/batch.py); graphs of `waves` rows a
-  sequence are captured beside the one-row ones, and a sequence with fewer drafts pads its missing
-  waves with scratch rows. `keep_streams`: every graph also writes the rows' pre-head residual streams
+  wave-major DecodeBatch of 1 + K rows a sequence (models/batch.py); graphs of every row count 2 ..
+  `waves` are captured beside the one-row ones (batch x K buckets: the draft policy varies K, and a
+  step of K drafts pays for 1 + K rows, not the most), a step replays the one of its most drafts and
+  a sequence with fewer pads its missing waves with scratch rows. `keep_streams`: every graph also writes the rows' pre-head residual streams
   into a static buffer (what the MTP proposer reads; V4.1's last pre mixes too); `keep_taps`: the
   mean streams at a DSpark proposer's tap layers.
 Uncaptured (a CPU test's), `run_waves` fills the same static inputs and runs the body eagerly.
@@ -122,7 +123,7 @@ class DecodeGraphs:
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         self.sizes = batch_buckets(max_batch)
         self.widths = width_buckets(max_pages, cache.block_tokens)
-        self.waves = sorted({1, waves})
+        self.waves = list(range(1, waves + 1))  # a verify graph for every draft count (the policy varies K)
         device = model.lm_head.weight.device
         rows = max_batch * self.waves[-1]
         self.inputs = torch.zeros(rows, PAGES + max_pages, dtype=torch.long, device=device)

@@ -348,11 +348,12 @@ class ModelRunner:
         return self.proposer is not None and bool(self.proposer.tap_layers)
 
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[list[DecodeRow | None]]:
-        """One-token chunks (and their drafts) as the decode graph's rows, wave by wave: one wave
-        without drafts, else the verify graphs' 1 + draft_tokens. A PENDING_TOKEN input names its row
-        of the last step's draws, which the graph gathers on the device."""
+        """One-token chunks (and their drafts) as the decode graph's rows, wave by wave: 1 + the most
+        drafts a chunk carries (the verify graph of that many waves; a chunk with fewer pads its missing
+        waves). A PENDING_TOKEN input names its row of the last step's draws, which the graph gathers on
+        the device."""
         assert self.graphs is not None
-        waves = self.graphs.waves[-1] if any(c.draft_token_ids for c in chunks) else 1
+        waves = 1 + max(len(c.draft_token_ids) for c in chunks)
         rows: list[list[DecodeRow | None]] = [[] for _ in range(waves)]
         for c in chunks:
             forwarded = _forwarded(c)
