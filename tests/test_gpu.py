@@ -908,6 +908,12 @@ def check_verify_graphs(model, method: str) -> None:
     for a, b in zip(got[:agreed], want[:agreed]):
         assert abs(a.logprob - b.logprob) < 0.04, (a, b)
     assert runner.graphs.replays - replays == len(accepted)  # every decode and verify step replayed a graph
+    # after that warm-up the same run again (its prompt, decodes, verifies, drafts) allocates no device memory
+    before = torch.cuda.memory_stats()
+    decode(runner, 24)
+    after = torch.cuda.memory_stats()
+    assert after["num_device_alloc"] == before["num_device_alloc"]
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
 
 
 def test_engram_gather_kernel_compiled_is_bitwise_the_reference():
