@@ -32,6 +32,9 @@ class ModelExecutor(Protocol):
     # whether a decode chunk's input may be PENDING_TOKEN (the draw of the step launched before it,
     # resolved on the device): the engine then plans step N+1 while step N runs (overlapped scheduling)
     pending_inputs: bool
+    # whether it proposes drafts after its steps (a speculative runner): a step whose chunks verify drafts
+    # or draft next lands before the next is planned, since the next chunks take what it proposes
+    proposes_drafts: bool
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step to its end; raising fails the step's requests, not the engine."""

@@ -80,8 +80,9 @@ class EngineCore:
                  structured: StructuredOutputs | None = None, catalog: CatalogWriter | None = None,
                  flush_s: float = FLUSH_S, overlap: bool = False) -> None:
         self.scheduler, self.executor, self._sink = scheduler, executor, on_outputs
-        # an executor that takes no pending inputs (V4.1's Engram) would only plan empty steps between
-        # its decodes: it runs serially (measured on the H200: 32 streams 4.5k tok/s overlapped, 6.7k serial)
+        # an executor that takes no pending inputs (V4.1's Engram read from disk) would only plan empty steps
+        # between its decodes: it runs serially (measured on the H200: 32 streams 4.5k tok/s overlapped, 6.7k
+        # serial); a speculative one overlaps the steps that draft nothing (`_lands_at_once`)
         self.overlap = overlap and executor.pending_inputs
         scheduler.pending_inputs = self.overlap
         self._in_flight: InFlight | None = None  # the step launched and not landed yet (overlap only)
@@ -240,9 +241,10 @@ class EngineCore:
         launched = self._launch() if self.scheduler.has_work else None
         previous, self._in_flight = self._in_flight, launched
         ok = self._land(previous) if previous is not None else True
-        if launched is not None and (not self.overlap or not ok or launched.step is None):
+        if launched is not None and (not self.overlap or not ok or launched.step is None
+                                     or self._lands_at_once(launched.plan)):
             self._in_flight = None
-            ok = self._land(launched) and ok
+            ok = self._land(launched, alone=previous is None) and ok
         if not ok:
             self._maintain()  # e.g. a pool whose rank died restarts before the next step
         if not self.scheduler.has_work and self._in_flight is None:
@@ -260,8 +262,16 @@ class EngineCore:
         except Exception as exc:  # a failing step fails its requests, not the engine (as it lands)
             return InFlight(plan, None, grammar_errors, exc)
 
-    def _land(self, launched: InFlight) -> bool:
-        """Applies a launched step's results (or its failure) and sends its outputs; False if it failed."""
+    def _lands_at_once(self, plan: StepPlan) -> bool:
+        """A speculative executor's step that verifies drafts or drafts next: the next step's chunks take
+        what it proposes, so it lands before the next is planned (the others overlap)."""
+        return self.executor.proposes_drafts and any(chunk.draft_token_ids or (chunk.sample and chunk.draft_next)
+                                                     for chunk in plan.chunks)
+
+    def _land(self, launched: InFlight, alone: bool = False) -> bool:
+        """Applies a launched step's results (or its failure) and sends its outputs; False if it failed.
+        `alone`: it ran with no step before it in flight, so its launch-to-land time is its cost (what
+        the draft policy weighs)."""
         try:
             if launched.step is None:
                 assert launched.error is not None
@@ -271,7 +281,7 @@ class EngineCore:
             log.exception("step failed")
             outputs, ok = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), False
         else:
-            if not self.overlap:  # a serial step's launch-to-land time is its cost
+            if alone:
                 self.scheduler.observe_step(launched.plan.num_tokens, time.perf_counter() - launched.launched_at)
             outputs, ok = self.scheduler.update(launched.plan, _failing(result, launched.grammar_errors)), True
         self.steps += 1

@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from contract import PENDING_TOKEN, EngineLimits, NewRequest, RequestOutput, SamplingParams, StepPlan
 from engine.loop import EngineCore
 from models import load_model
 from scheduler import Scheduler
 from tests.conftest import random_tokens
+from scheduler.spec_policy import Drafting, SpeculationPolicy, StepCost
 from worker import ModelRunner
+from worker.proposers import MTPProposer
 
 MAX_LEN, BLOCK = 160, 16
 
@@ -30,6 +33,10 @@ class Recorder:
     @property
     def pending_inputs(self) -> bool:
         return self.runner.pending_inputs
+
+    @property
+    def proposes_drafts(self) -> bool:
+        return self.runner.proposes_drafts
 
     def launch(self, plan: StepPlan):
         self.plans.append(plan)
@@ -68,16 +75,21 @@ class Outputs:
 
 
 def run(model, requests: list[NewRequest], overlap: bool, aborts: dict[int, str] | None = None,
-        num_pages: int = 14, then: list[NewRequest] = ()) -> tuple[Outputs, Recorder, Scheduler]:
+        num_pages: int = 14, then: list[NewRequest] = (), drafts: int = 0,
+        policy: SpeculationPolicy | None = None) -> tuple[Outputs, Recorder, Scheduler]:
     """Steps an engine on this thread (aborts[k]: the request aborted before step k) until all ended,
-    then `then` the same way."""
+    then `then` the same way. `drafts`: the runner drafts that many tokens with the model's MTP layer,
+    the scheduler's draft policy `policy` (None: every draft verified)."""
     config = model.config
     limits = EngineLimits(4, 40, MAX_LEN, config.vocab_size, config.eos_token_ids, num_pages=num_pages,
                           block_tokens=BLOCK, prefix_snapshots=6)
+    proposer = MTPProposer(model, 4, MAX_LEN, drafts) if drafts else None
     runner = Recorder(ModelRunner(model, 4, MAX_LEN, num_pages=limits.total_pages, block_tokens=BLOCK,
-                                  deterministic=True, snapshot_slots=6))
+                                  deterministic=True, snapshot_slots=6, draft_tokens=drafts, proposer=proposer))
     outputs = Outputs()
     scheduler = Scheduler(limits)
+    if drafts:
+        scheduler.spec_policy = policy
     engine = EngineCore(scheduler, runner, outputs, overlap=overlap)  # type: ignore[arg-type]
     steps = 0
     for wave in (requests, then):
@@ -169,3 +181,47 @@ def test_aborts_while_a_step_is_in_flight_end_once_and_leave_the_others_exact(mo
             assert tokens == serial.tokens(rid) and overlapped.logprobs(rid) == serial.logprobs(rid), rid
     assert sum(overlapped.reason(rid) == "abort" for rid in aborts.values()) >= 2
     assert scheduler.blocks.stats().held == 0 and not scheduler.launched and not scheduler.draining
+
+
+class ScriptedDrafting(SpeculationPolicy):
+    """The draft policy's decisions on a fixed schedule (the real one decides from measured step times):
+    `pattern` cycles a step at a time (True: draft), a drafting step's chunks verify every draft."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__(StepCost(), [], [])
+        self.pattern, self.asked = pattern, 0
+
+    def drafting_next(self, batch: int) -> Drafting:
+        self.asked += 1
+        return Drafting.ON if self.pattern[self.asked % len(self.pattern)] == "d" else Drafting.OFF
+
+    def draft_count(self, batch: int, proposed: int, probe: bool = False) -> int:
+        return proposed
+
+
+@pytest.mark.parametrize("pattern", ["d..", "d"])
+def test_speculating_overlaps_the_steps_that_draft_nothing(pattern):
+    """Speculative decoding (the MTP proposer, K = 2) under overlapped scheduling: a step that verifies
+    drafts or drafts next lands before the next is planned, the steps the policy has draft nothing
+    overlap, their pending inputs resolved for the proposer; every request's tokens and logprobs are
+    plain serial decoding's, bitwise (deterministic mode), through chunked prefill, preemption, prefix
+    hits, a seeded sampler and a penalized request. "d": drafting every step, nothing overlaps."""
+    from models.random_model import build_random_model
+    from tests.test_proposers import CONFIG
+
+    model = build_random_model(CONFIG, torch.float32, "cpu", seed=2, mtp=True)
+    requests = workload()
+    serial, _, _ = run(model, requests, overlap=False)
+    overlapped, recorder, scheduler = run(model, requests, overlap=True, drafts=2, policy=ScriptedDrafting(pattern))
+    for request in requests:
+        rid = request.request_id
+        assert overlapped.tokens(rid) == serial.tokens(rid), rid
+        assert overlapped.logprobs(rid) == serial.logprobs(rid), rid
+        assert [o.finished for o in overlapped.by_request[rid]].count(True) == 1
+    pending = sum(PENDING_TOKEN in c.token_ids for p in recorder.plans for c in p.chunks)
+    verified = sum(bool(c.draft_token_ids) for p in recorder.plans for c in p.chunks)
+    assert verified > 5, "nothing was verified"
+    assert (pending > 10) if pattern != "d" else pending == 0, pending
+    for plan in recorder.plans:  # no chunk verifies drafts with an input in flight
+        assert not any(c.draft_token_ids and PENDING_TOKEN in c.token_ids for c in plan.chunks)
+    assert scheduler.blocks.stats().held == 0

@@ -362,6 +362,7 @@ class DiskScheduler:
 
 class IdleExecutor:
     pending_inputs = False
+    proposes_drafts = False
 
     def maintain(self) -> None:
         pass

@@ -225,6 +225,7 @@ class Executor:
     """The loop's executor over the Worker (its `maintain` may fail: the loop dies); counts its steps."""
 
     pending_inputs = False
+    proposes_drafts = False
 
     def __init__(self, worker: Worker, fails: bool = False) -> None:
         self.worker, self.fails, self.steps = worker, fails, 0

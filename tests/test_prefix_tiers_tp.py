@@ -127,6 +127,7 @@ class InFlight:
     """A rank's runner that runs nothing, with disk tier move 7 in flight."""
 
     pending_inputs = False
+    proposes_drafts = False
 
     def __init__(self) -> None:
         self.cache, self.tickets = SimpleNamespace(num_pages=4), SimpleNamespace(in_flight={7: None})

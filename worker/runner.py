@@ -45,6 +45,7 @@ own (worker/mtp_graphs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -181,8 +182,9 @@ class ModelRunner:
         most drafts a chunk may carry for verification (the cache's rings get as many spare rows: see
         the module docstring). `proposer`: proposes each sampling request's next drafts after a step
         (worker/proposers.py; the decode and verify graphs keep the streams an MTP proposer reads, or the
-        taps a DSpark proposer reads). A proposer turns
-        pending inputs off: its drafts come from a step's result, so a decode's next chunk waits for it."""
+        taps a DSpark proposer reads). Its drafts come from a step's result, so a step that verifies
+        drafts or drafts next lands before the next one is planned (engine/loop.py); the others overlap,
+        their chunks' pending inputs resolved for the proposer from the tokens the step before drew."""
         self.model = model
         self.proposer = proposer
         self.tp = tp
@@ -190,7 +192,9 @@ class ModelRunner:
         self.draft_tokens = draft_tokens
         # drafts are proposed from a landed step; Engram reads ahead from disk are hinted from one
         engram = model.engram_memory
-        self.pending_inputs = proposer is None and (engram is None or not engram.reads_ahead)
+        self.pending_inputs = engram is None or not engram.reads_ahead
+        self.proposes_drafts = proposer is not None
+        self._drawn: dict[str, int] = {}  # each request's token drawn by the last reported step
         self._last_draws: LastDraws | None = None
         dtype = model.lm_head.weight.dtype
         if dtype == torch.bfloat16 and str(device).startswith("cuda") and not deterministic:
@@ -420,20 +424,21 @@ class ModelRunner:
             wave, row = divmod(flat, size)
             if row < len(waves[wave]) and waves[wave][row] is not None:
                 failed.setdefault(row, reason)
+        # what the proposer reads of the rows, copied out of the static buffers (one copy each): the next
+        # replay rewrites them, and with overlap it may be launched before this step is reported
+        used = logits.shape[0]
+        kept = [(buffer[:used].clone(), into) for buffer, into in
+                ((self.graphs.streams, step.streams), (self.graphs.pre, step.pres), (self.graphs.taps, step.taps))
+                if buffer is not None]
         for row, index in enumerate(step.graph_chunks):
             chunk, wanted = step.computed[index], step.logit_rows[index]
             if len(waves) == 1:
                 step.logits[chunk.request_id] = logits[row : row + len(wanted)]
             else:  # wave-major: the chunk's rows are `size` apart
                 step.logits[chunk.request_id] = logits[row : row + size * len(wanted) : size]
-            if self.graphs.streams is not None:
-                forwarded = len(_forwarded(chunk))
-                step.streams[chunk.request_id] = self.graphs.streams[row : row + size * forwarded : size]
-                if self.graphs.pre is not None:
-                    step.pres[chunk.request_id] = self.graphs.pre[row : row + size * forwarded : size]
-            if self.graphs.taps is not None:
-                forwarded = len(_forwarded(chunk))
-                step.taps[chunk.request_id] = self.graphs.taps[row : row + size * forwarded : size]
+            forwarded = slice(row, row + size * len(_forwarded(chunk)), size)
+            for rows, into in kept:
+                into[chunk.request_id] = rows[forwarded]
             if row in failed:
                 step.errors[chunk.request_id] = failed[row]
 
@@ -535,6 +540,7 @@ class ModelRunner:
         (run, skipped): the sampling chunks it drafted after, and those whose `draft_next` was off."""
         computed = self._computed_chunks(step)
         step.proposed = self.proposer.propose(computed)
+        self._drawn = {item.chunk.request_id: item.next_token for item in computed if item.next_token is not None}
         drafting = [item.chunk.draft_next for item in computed if item.next_token is not None]
         return sum(drafting), len(drafting) - sum(drafting)
 
@@ -563,12 +569,15 @@ class ModelRunner:
 
     def _computed_chunks(self, step: StepContext) -> list[ComputedChunk]:
         """What the step left of each chunk that did not fail, as the proposer reads it: the forwarded
-        tokens that stand, the token drawn after them, their streams and taps."""
+        tokens that stand (a pending input as the token the step before drew: that step was reported
+        first), the token drawn after them, their streams and taps."""
         computed = []
         for chunk in step.plan.chunks:
             rid = chunk.request_id
             if rid in step.errors:
                 continue
+            if chunk.token_ids[-1:] == (PENDING_TOKEN,):  # a one-token decode chunk (scheduler/scheduler.py)
+                chunk = dataclasses.replace(chunk, token_ids=(self._drawn[rid],))
             sampled = step.sampled.get(rid)
             computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
                                           None if sampled is None else sampled.token_id, step.streams.get(rid),

@@ -220,6 +220,10 @@ class WorkerPool:
         equal on every rank."""
         return self.runner.pending_inputs
 
+    @property
+    def proposes_drafts(self) -> bool:
+        return self.runner.proposes_drafts
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()
 
