@@ -2,7 +2,8 @@
 its eager path (worker/dspark.py, itself checked against a plain statement of DeepSpec's DSpark in
 tests/test_dspark.py), on CPU: tests/test_mtp_draft_steps.py's script of steps (every count of standing
 rows, prompt chunks beside decode chunks, chunks drafting nothing next, a padded bucket) fed to both with
-random taps: the same drafts (and confidence cuts), and every request slot's context rings the same."""
+random taps: the same drafts (and confidence cuts), and every request slot's context rings the same; V4.1's
+draft and V4-Flash-0731's on V4."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from tests.test_proposers import K
 from worker.dspark import DSparkProposer
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The tiny V4.1 with a random DSpark draft attached."""
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def model(request, tmp_path_factory):
+    """The tiny V4.1 with a random DSpark draft attached, and the tiny V4 with a V4-Flash-0731-shaped one
+    (its taps the streams leaving the tap layers)."""
     root = tmp_path_factory.mktemp("dspark-steps")
-    target = build_tiny_checkpoint(root / "v41", seed=3)
+    target = build_tiny_checkpoint(root / request.param, seed=3, family=request.param)
     model = load_model(target)
     attach_dspark(model, build_tiny_dspark(root / "draft", target, seed=4, dspark_markov_rank=128))
     return model
