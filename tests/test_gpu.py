@@ -1008,7 +1008,8 @@ def test_mtp_draft_graphs_replay_their_eager_steps(family, tmp_path):
     for step, chunks in enumerate(script):
         assert graphed.propose(chunks) == eager.propose(chunks), f"step {step}"
     assert graphed.steps.runs == eager.steps.runs and len(graphed.steps.runs) >= 10
-    assert all(torch.equal(a, b) for a, b in zip(graphed.cache.tensors(), eager.cache.tensors()))
+    # the request slots (the scratch slot's rows are written by several scratch rows at once, in any order)
+    assert all(torch.equal(a[:SLOTS], b[:SLOTS]) for a, b in zip(graphed.cache.tensors(), eager.cache.tensors()))
 
 
 def test_dspark_draft_graphs_replay_their_eager_steps(tmp_path):
@@ -1033,4 +1034,4 @@ def test_dspark_draft_graphs_replay_their_eager_steps(tmp_path):
     for step, chunks in enumerate(script):
         assert graphed.propose(chunks) == eager.propose(chunks), f"step {step}"
     assert graphed.steps.runs == eager.steps.runs and len(graphed.steps.runs) >= 10
-    assert torch.equal(graphed.rings, eager.rings)
+    assert torch.equal(graphed.rings[:, :SLOTS], eager.rings[:, :SLOTS])  # the request slots (see the MTP test)
