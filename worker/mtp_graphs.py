@@ -16,7 +16,8 @@ drafts it verified) the rows have a fixed shape, at most 1 + K a sequence, so:
   `greedy_drafts`) from there, writing only the ring's spare rows past that row, as the eager chain does.
 - Inputs: one int64 buffer uploaded in one copy a step (per row the token after it, its position and
   slot; per sequence the index of its last standing row; per standing row the static row its streams go
-  to), the target's streams gathered into the static stream rows by one indexed copy. Nothing in the
+  to), the target's streams (V4.1: and their last pre mixes, models/mtp_v41.py) gathered into the static
+  rows by one indexed copy each. Nothing in the
   body reads the host, so `capture` makes each batch bucket one graph; uncaptured (CPU, tests) `draft`
   runs the same body eagerly.
 
