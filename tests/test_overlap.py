@@ -18,7 +18,7 @@ from scheduler import Scheduler
 from tests.conftest import random_tokens
 from scheduler.spec_policy import Drafting, SpeculationPolicy, StepCost
 from worker import ModelRunner
-from worker.proposers import MTPProposer
+from worker.proposers import build_proposer
 
 MAX_LEN, BLOCK = 160, 16
 
@@ -75,15 +75,16 @@ class Outputs:
 
 
 def run(model, requests: list[NewRequest], overlap: bool, aborts: dict[int, str] | None = None,
-        num_pages: int = 14, then: list[NewRequest] = (), drafts: int = 0,
+        num_pages: int = 14, then: list[NewRequest] = (), drafts: int = 0, method: str = "mtp",
         policy: SpeculationPolicy | None = None) -> tuple[Outputs, Recorder, Scheduler]:
     """Steps an engine on this thread (aborts[k]: the request aborted before step k) until all ended,
-    then `then` the same way. `drafts`: the runner drafts that many tokens with the model's MTP layer,
-    the scheduler's draft policy `policy` (None: every draft verified)."""
+    then `then` the same way. `drafts`: the runner drafts that many tokens with `method`'s proposer (the
+    model's MTP layer, or its attached DSpark draft), the scheduler's draft policy `policy` (None: every
+    draft verified)."""
     config = model.config
     limits = EngineLimits(4, 40, MAX_LEN, config.vocab_size, config.eos_token_ids, num_pages=num_pages,
                           block_tokens=BLOCK, prefix_snapshots=6)
-    proposer = MTPProposer(model, 4, MAX_LEN, drafts) if drafts else None
+    proposer = build_proposer(method, model, 4, MAX_LEN, drafts) if drafts else None
     runner = Recorder(ModelRunner(model, 4, MAX_LEN, num_pages=limits.total_pages, block_tokens=BLOCK,
                                   deterministic=True, snapshot_slots=6, draft_tokens=drafts, proposer=proposer))
     outputs = Outputs()
@@ -199,20 +200,29 @@ class ScriptedDrafting(SpeculationPolicy):
         return proposed
 
 
-@pytest.mark.parametrize("pattern", ["d..", "d"])
-def test_speculating_overlaps_the_steps_that_draft_nothing(pattern):
-    """Speculative decoding (the MTP proposer, K = 2) under overlapped scheduling: a step that verifies
-    drafts or drafts next lands before the next is planned, the steps the policy has draft nothing
-    overlap, their pending inputs resolved for the proposer; every request's tokens and logprobs are
-    plain serial decoding's, bitwise (deterministic mode), through chunked prefill, preemption, prefix
-    hits, a seeded sampler and a penalized request. "d": drafting every step, nothing overlaps."""
+@pytest.mark.parametrize("method, pattern", [("mtp", "d.."), ("mtp", "d"), ("dspark", "d..")])
+def test_speculating_overlaps_the_steps_that_draft_nothing(method, pattern, tmp_path):
+    """Speculative decoding (K = 2: the MTP proposer on a tiny V4, DSpark on the tiny V4.1, whose Engram
+    rows are hashed from the pending inputs) under overlapped scheduling: a step that verifies drafts or
+    drafts next lands before the next is planned, the steps the policy has draft nothing overlap, their
+    pending inputs resolved for the proposer; every request's tokens and logprobs are plain serial
+    decoding's, bitwise (deterministic mode), through chunked prefill, preemption, prefix hits, a seeded
+    sampler and a penalized request. "d": drafting every step, nothing overlaps."""
+    from models.dspark import attach_dspark, build_tiny_dspark
     from models.random_model import build_random_model
+    from models.tiny import build_tiny_checkpoint
     from tests.test_proposers import CONFIG
 
-    model = build_random_model(CONFIG, torch.float32, "cpu", seed=2, mtp=True)
+    if method == "mtp":
+        model = build_random_model(CONFIG, torch.float32, "cpu", seed=2, mtp=True)
+    else:
+        target = build_tiny_checkpoint(tmp_path / "v41", seed=3)
+        model = load_model(target)
+        attach_dspark(model, build_tiny_dspark(tmp_path / "draft", target, seed=4, dspark_markov_rank=128))
     requests = workload()
     serial, _, _ = run(model, requests, overlap=False)
-    overlapped, recorder, scheduler = run(model, requests, overlap=True, drafts=2, policy=ScriptedDrafting(pattern))
+    overlapped, recorder, scheduler = run(model, requests, overlap=True, drafts=2, method=method,
+                                          policy=ScriptedDrafting(pattern))
     for request in requests:
         rid = request.request_id
         assert overlapped.tokens(rid) == serial.tokens(rid), rid
