@@ -84,6 +84,7 @@ class DeepseekV41(nn.Module):
         self.model = BackboneV41(config, tp)
         self.lm_head = lm_head(config, tp)
         self.engram_memory: EngramMemory | None = None  # attached by the loader (needs the tokenizer)
+        self.mtp: nn.ModuleList | None = None  # the MTP draft layers, when loaded (models/mtp.py attach_mtp)
 
     @torch.inference_mode()
     def forward(

@@ -45,7 +45,9 @@ def random_state(model, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_loads_with_and_without_the_mtp_layer(checkpoint, model):
     assert isinstance(model.mtp[0], MTPLayerV41)
-    assert not hasattr(load_model(checkpoint), "mtp")  # its mtp.* tensors left on disk
+    assert load_model(checkpoint).mtp is None  # its mtp.* tensors left on disk
+    with pytest.raises(ValueError, match="needs the checkpoint's MTP layer"):
+        MTPProposer(load_model(checkpoint), num_slots=1, max_model_len=64, k=2)
     names = {name for name, _ in model.mtp[0].named_parameters()}
     assert {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight"} <= names
     assert any(name.startswith("block.self_attn.") for name in names) and not any("hc_head" in n for n in names)
