@@ -113,3 +113,22 @@ def test_mtp_proposer_drafts_equal_the_layer_run_afresh(model):
 
     decode(runner, 12, check)
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_a_pending_input_without_a_draw_before_reaches_no_proposer(model, method):
+    """Under overlap a decode chunk's input may be the draw of the step before (PENDING_TOKEN); where that
+    step drew nothing for the request (it failed there), the chunk computes token 0 and its result is not
+    applied: the proposer never sees it, and the runner carries on."""
+    from contract import PENDING_TOKEN
+
+    proposer = build_proposer(method, model, num_slots=2, max_model_len=128, k=K)
+    runner = ModelRunner(model, num_slots=2, max_model_len=128, deterministic=True, draft_tokens=K, proposer=proposer)
+    (first,) = runner.execute(StepPlan((chunk(runner, PROMPT, 0, True),))).chunks
+    assert first.sampled is not None
+    orphan = ScheduledChunk(request_id="failed-before", slot=0, pages=tuple(runner.cache.default_pages(0).tolist()),
+                            token_ids=(PENDING_TOKEN,), position=5, sample=True, logprob_targets=(), params=GREEDY,
+                            num_generated=1)
+    follow = chunk(runner, (PENDING_TOKEN,), len(PROMPT), True, 1)
+    results = runner.execute(StepPlan((orphan, follow))).chunks
+    assert results[1].sampled is not None and results[1].error is None

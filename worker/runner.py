@@ -577,6 +577,8 @@ class ModelRunner:
             if rid in step.errors:
                 continue
             if chunk.token_ids[-1:] == (PENDING_TOKEN,):  # a one-token decode chunk (scheduler/scheduler.py)
+                if rid not in self._drawn:  # its request failed in the step before: this result is not applied
+                    continue
                 chunk = dataclasses.replace(chunk, token_ids=(self._drawn[rid],))
             sampled = step.sampled.get(rid)
             computed.append(ComputedChunk(chunk, len(chunk.token_ids) + len(step.accepted.get(rid, ())),
