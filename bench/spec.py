@@ -63,13 +63,16 @@ def spec_counters(base: str) -> dict[str, float]:
     return totals
 
 
-def settled_counters(base: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """The counters once two reads a stats interval apart agree (the engine sends its stats every second)."""
+def settled_counters(base: str, changed_from: dict[str, float] | None = None,
+                     timeout_s: float = 30.0) -> dict[str, float]:
+    """The counters once two reads a stats interval apart agree (the engine sends its stats every second)
+    and, with `changed_from`, differ from it (the cell's steps were counted: a loaded machine may send
+    them late)."""
     last, deadline = spec_counters(base), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(1.2)
         now = spec_counters(base)
-        if now == last:
+        if now == last and (changed_from is None or now != changed_from):
             return now
         last = now
     return last
@@ -105,7 +108,8 @@ def speculative_config(method: str, k: int, adaptive: bool, draft_model: str | N
     return json.dumps(config)
 
 
-async def cells(url: str, concurrencies: list[int], prompts: list[str], max_tokens: int) -> list[dict]:
+async def cells(url: str, concurrencies: list[int], prompts: list[str], max_tokens: int,
+                speculating: bool) -> list[dict]:
     """One measured cell per concurrency on the server at `url` (a short warm-up first)."""
     client = AsyncOpenAI(base_url=url, api_key=os.environ.get("DS4SERVE_API_KEY", "none"), max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
@@ -115,7 +119,8 @@ async def cells(url: str, concurrencies: list[int], prompts: list[str], max_toke
     for concurrency in concurrencies:
         before = settled_counters(base)
         row = await timed_decode(client, model, [prompts[i % len(prompts)] for i in range(concurrency)], max_tokens)
-        rows.append({"concurrency": concurrency, **row, **acceptance(before, settled_counters(base))})
+        after = settled_counters(base, changed_from=before) if speculating else before
+        rows.append({"concurrency": concurrency, **row, **acceptance(before, after)})
     return rows
 
 
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             draft = args.draft_model or (args.model if method == "dspark" else None)
             server_args += ["--speculative-config", speculative_config(method, k, args.adaptive, draft)]
         with served(server_args, args.port, args.ready_timeout_s) as (url, _):
-            rows = asyncio.run(cells(url, args.concurrency, prompts, args.max_tokens))
+            rows = asyncio.run(cells(url, args.concurrency, prompts, args.max_tokens, speculating=bool(k)))
         for row in rows:
             speed = row["decode_tokens_per_s"] or row["tokens_per_s"]
             if not k:
