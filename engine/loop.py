@@ -86,6 +86,7 @@ class EngineCore:
         self.overlap = overlap and executor.pending_inputs
         scheduler.pending_inputs = self.overlap
         self._in_flight: InFlight | None = None  # the step launched and not landed yet (overlap only)
+        self._landed_at = 0.0  # when the last step landed
         self.structured = structured  # None: constrained requests are refused
         self.catalog = catalog  # None: no prefix disk tier
         self.flush_s = flush_s
@@ -244,7 +245,7 @@ class EngineCore:
         if launched is not None and (not self.overlap or not ok or launched.step is None
                                      or self._lands_at_once(launched.plan)):
             self._in_flight = None
-            ok = self._land(launched, alone=previous is None) and ok
+            ok = self._land(launched) and ok
         if not ok:
             self._maintain()  # e.g. a pool whose rank died restarts before the next step
         if not self.scheduler.has_work and self._in_flight is None:
@@ -268,10 +269,11 @@ class EngineCore:
         return self.executor.proposes_drafts and any(chunk.draft_token_ids or (chunk.sample and chunk.draft_next)
                                                      for chunk in plan.chunks)
 
-    def _land(self, launched: InFlight, alone: bool = False) -> bool:
+    def _land(self, launched: InFlight) -> bool:
         """Applies a launched step's results (or its failure) and sends its outputs; False if it failed.
-        `alone`: it ran with no step before it in flight, so its launch-to-land time is its cost (what
-        the draft policy weighs)."""
+        The step's cost, what the draft policy weighs, is the time from when the device could start it
+        (its launch, or the step before it landing, whichever was later: steps run in launch order) to
+        its landing: a serial step's launch-to-land time, an overlapped one's share of the stream."""
         try:
             if launched.step is None:
                 assert launched.error is not None
@@ -281,8 +283,9 @@ class EngineCore:
             log.exception("step failed")
             outputs, ok = self.scheduler.fail_all(f"engine step failed: {type(exc).__name__}: {exc}"), False
         else:
-            if alone:
-                self.scheduler.observe_step(launched.plan.num_tokens, time.perf_counter() - launched.launched_at)
+            landed = time.perf_counter()
+            self.scheduler.observe_step(launched.plan.num_tokens, landed - max(launched.launched_at, self._landed_at))
+            self._landed_at = landed
             outputs, ok = self.scheduler.update(launched.plan, _failing(result, launched.grammar_errors)), True
         self.steps += 1
         self._match(outputs)

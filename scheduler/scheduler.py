@@ -283,8 +283,8 @@ class Scheduler:
                 chunks[index] = dataclasses.replace(chunks[index], draft_next=False)
 
     def observe_step(self, rows: int, seconds: float) -> None:
-        """A step that forwarded `rows` tokens took `seconds` from launch to landing, with no step before it
-        in flight (engine/loop.py passes only those): the cost the draft policy weighs."""
+        """A step that forwarded `rows` tokens cost `seconds` (engine/loop.py: from when the device could
+        start it to its landing): the cost the draft policy weighs."""
         if self.spec_policy is not None:
             self.spec_policy.observe_step(rows, seconds)
 

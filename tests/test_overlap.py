@@ -191,6 +191,11 @@ class ScriptedDrafting(SpeculationPolicy):
     def __init__(self, pattern: str) -> None:
         super().__init__(StepCost(), [], [])
         self.pattern, self.asked = pattern, 0
+        self.observed: list[tuple[int, float]] = []
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.observed.append((rows, seconds))
+        super().observe_step(rows, seconds)
 
     def drafting_next(self, batch: int) -> Drafting:
         self.asked += 1
@@ -221,8 +226,8 @@ def test_speculating_overlaps_the_steps_that_draft_nothing(method, pattern, tmp_
         attach_dspark(model, build_tiny_dspark(tmp_path / "draft", target, seed=4, dspark_markov_rank=128))
     requests = workload()
     serial, _, _ = run(model, requests, overlap=False)
-    overlapped, recorder, scheduler = run(model, requests, overlap=True, drafts=2, method=method,
-                                          policy=ScriptedDrafting(pattern))
+    policy = ScriptedDrafting(pattern)
+    overlapped, recorder, scheduler = run(model, requests, overlap=True, drafts=2, method=method, policy=policy)
     for request in requests:
         rid = request.request_id
         assert overlapped.tokens(rid) == serial.tokens(rid), rid
@@ -234,4 +239,7 @@ def test_speculating_overlaps_the_steps_that_draft_nothing(method, pattern, tmp_
     assert (pending > 10) if pattern != "d" else pending == 0, pending
     for plan in recorder.plans:  # no chunk verifies drafts with an input in flight
         assert not any(c.draft_token_ids and PENDING_TOKEN in c.token_ids for c in plan.chunks)
+    # the policy weighs every step that ran tokens, overlapped ones too, each at a positive cost
+    assert [rows for rows, _ in policy.observed if rows] == [p.num_tokens for p in recorder.plans if p.num_tokens]
+    assert all(seconds > 0 for rows, seconds in policy.observed if rows)
     assert scheduler.blocks.stats().held == 0
