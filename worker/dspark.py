@@ -39,7 +39,7 @@ import torch
 
 from models.dspark import BlockBatch, DSparkConfig, DSparkDraft, allocate_rings, confident_lengths, ring_bytes
 from worker.dspark_graphs import DSparkDraftSteps, DSparkRows
-from worker.static_steps import split_step
+from worker.static_steps import captured_bytes, split_step
 
 if TYPE_CHECKING:  # worker/proposers.py builds this proposer
     from worker.proposers import ComputedChunk
@@ -86,9 +86,7 @@ class DSparkProposer:
         return self.steps
 
     def capture_graphs(self) -> int:
-        reserved = torch.cuda.memory_reserved()
-        self.use_static_steps().capture()
-        return torch.cuda.memory_reserved() - reserved
+        return captured_bytes(self.use_static_steps)
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         return split_step(computed, self._static(computed), self._propose_static, self._propose_eager)

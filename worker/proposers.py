@@ -39,7 +39,7 @@ from models.mtp import allocate_mtp_cache, greedy_drafts
 from models.transfer import on_device
 from worker.dspark import DSparkProposer
 from worker.mtp_graphs import DraftRows, MTPDraftSteps
-from worker.static_steps import split_step
+from worker.static_steps import captured_bytes, split_step
 
 PROPOSER_METHODS = ("mtp", "ngram", "dspark")
 
@@ -228,9 +228,7 @@ class MTPProposer:
         return self.steps
 
     def capture_graphs(self) -> int:
-        reserved = torch.cuda.memory_reserved()
-        self.use_static_steps().capture()
-        return torch.cuda.memory_reserved() - reserved
+        return captured_bytes(self.use_static_steps)
 
     def propose(self, computed: list[ComputedChunk]) -> dict[str, tuple[int, ...]]:
         return split_step(computed, self._static(computed), self._propose_static, self._propose_eager)

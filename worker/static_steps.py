@@ -7,6 +7,7 @@ their eager path."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ import torch
 from worker.cuda_graphs import batch_buckets, capture_graphs
 
 
-class StaticDraftSteps:
+class StaticDraftSteps(ABC):
     def __init__(self, max_batch: int, k: int, input_length: int, device: torch.device) -> None:
         """`input_length`: the int64 inputs a subclass lays out in `inputs` / `host` (its own offsets)."""
         self.k = k
@@ -29,13 +30,14 @@ class StaticDraftSteps:
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs: list[int] = []  # each step's sequences (the last 64)
 
+    @abstractmethod
     def body(self, size: int) -> torch.Tensor:
         """What bucket `size`'s graph runs, from the static inputs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def fill_scratch(self, size: int) -> None:
         """Bucket `size`'s inputs all scratch rows (no sequence's state touched)."""
-        raise NotImplementedError
+
 
     def capture(self) -> None:
         """Captures one graph per batch bucket (largest first); `run` replays them from then on."""
@@ -71,6 +73,14 @@ class StaticDraftSteps:
 
 
 Drafts = dict[str, tuple[int, ...]]
+
+
+def captured_bytes(build: Callable[[], StaticDraftSteps]) -> int:
+    """Builds a proposer's static steps and captures their graphs; the device memory that took (their
+    buffers and graph pool), which the memory plan adds to the workspace."""
+    reserved = torch.cuda.memory_reserved()
+    build().capture()
+    return torch.cuda.memory_reserved() - reserved
 
 
 def split_step(computed: list, static: list, propose_static: Callable[[list], Drafts],
