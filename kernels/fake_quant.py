@@ -200,7 +200,10 @@ if triton is not None:
     def _fake_quant_kernel(x_ptr, out_ptr, n, FORMAT: tl.constexpr, TOP: tl.constexpr, FLOOR: tl.constexpr,
                            BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """Blocks [program x ROWS, + ROWS) of x [n, BLOCK]: amax, scale, divide, clamp, round, times the
-        scale, cast back: the reference's float32 operations in its order."""
+        scale, cast back: the reference's float32 operations in its order. The divisions are IEEE
+        round-to-nearest (`div_rn`): Triton's `/` on float32 compiles to the approximate `div.full.f32`
+        (up to 2 ulp off), exact only by a power of two, so fp4_e4m3's e4m3 scale rounded differently
+        from torch on the GPU (the interpreter divides exactly and could not show it)."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = (row < n)[:, None]
         offsets = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -209,10 +212,10 @@ if triton is not None:
         amax = tl.max(tl.abs(blocks), axis=1)
         amax = tl.where(amax < FLOOR, FLOOR, amax)
         if FORMAT == 2:  # fp4_e4m3: an e4m3 scale
-            scale = _e4m3(amax / TOP)
+            scale = _e4m3(tl.math.div_rn(amax, TOP))
         else:  # a power of two
             scale = _pow2_ceil(amax * (1.0 / TOP))
-        v = blocks / scale[:, None]
+        v = tl.math.div_rn(blocks, scale[:, None])
         v = tl.minimum(tl.maximum(v, -TOP), TOP)
         if FORMAT == 0:
             q = _e4m3(v)
