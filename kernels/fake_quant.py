@@ -14,8 +14,8 @@ on the tiny V4.1 ~100 of a step's 650 launches (BENCHMARKS.md, twenty-second ses
 is one Triton kernel (`fake_quant_triton`) giving the same bits: the scales by exponent arithmetic on the
 float32 bits (`pow2_ceil`'s frexp), the roundings to e4m3 and E2M1 by adding and subtracting a power of
 two whose ulp is the target's quantum (the float32 adder rounds half to even, as torch's e4m3 cast and
-the E2M1 thresholds do), e4m3 results saturating at 448 as torch's CPU cast does (only an fp4_e4m3 block
-whose amax passes 2,688 reaches it; torch's CUDA cast is not documented to agree there).
+the E2M1 thresholds do), e4m3 results saturating at 448 as the reference's clamp does (only an fp4_e4m3
+block whose amax passes 2,688 reaches it).
 """
 
 from __future__ import annotations
@@ -119,7 +119,9 @@ def fp4_ue8m0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp4_e4m3_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E2M1 values, float8_e4m3fn-valued float32 scales [..., 1]) of float32 blocks [..., n, block]."""
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_E4M3_FLOOR)
-    scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).float()
+    # saturated at 448 explicitly: torch's own cast does so on the CPU from 2.13 and on CUDA, but older
+    # CPU builds turn 480 and above into NaN (the H200 image's torch 2.11 did, failing the kernel's test)
+    scale = (amax / FP4_MAX).clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
     return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)), scale
 
 
