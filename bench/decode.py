@@ -22,7 +22,6 @@ import torch
 
 from contract import SamplingParams, ScheduledChunk, StepPlan
 from contract.config import DEFAULT_MODEL_DIR
-from engine.layout import ensure_default_model
 from models import load_model
 from worker import ModelRunner
 
@@ -76,9 +75,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--modes", nargs="+", default=["default", "deterministic"], choices=["default", "deterministic"])
     args = parser.parse_args()
-    from pathlib import Path
-
-    ensure_default_model(Path(args.model))
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     max_len = args.prompt_len + args.steps + 1
     machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()

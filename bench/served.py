@@ -43,8 +43,8 @@ rich / markdown-it-py / mdurl / pygments it needs; est. 4-6 min: ~1 min the runn
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; cp BENCHMARKS.md $OUT/; timeout 560 python3 -m bench.served --layers 4 --weights bf16 --concurrency 1 8 32 --max-tokens 512 --llm-decode-bench build/llm-bench/llm_decode_bench.py --budget-s 480 --commit SHA --write-benchmarks $OUT/BENCHMARKS.md 2>$OUT/served.err | tee $OUT/served.jsonl
 
-(the tiny model: `--model checkpoints/tiny --concurrency 1`, built on the device if absent). A stop past
---budget-s costs at most the server's drain (60 s), so `timeout 560` is never reached by a healthy run.
+(the tiny model: `--model default_model --concurrency 1`, the trained default the repository ships). A stop
+past --budget-s costs at most the server's drain (60 s), so `timeout 560` is never reached by a healthy run.
 """
 
 from __future__ import annotations
@@ -154,10 +154,8 @@ def runner_model(args: argparse.Namespace):
         from models.dummy_weights import build_dummy_model
 
         return build_dummy_model(args.model, args.seed, dtype, args.device, released=released)
-    from engine.layout import ensure_default_model
     from models import load_model
 
-    ensure_default_model(Path(args.model))
     return load_model(args.model, dtype=dtype, device=args.device, keep_quantized=released)
 
 
@@ -534,7 +532,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--weights", default="bf16", choices=["bf16", "released"],
                         help="bf16: every weight in --dtype; released: MXFP4 experts and FP8 linears kept packed")
-    parser.add_argument("--model", help="serve this checkpoint directory instead of the slice (e.g. checkpoints/tiny)")
+    parser.add_argument("--model", help="serve this checkpoint directory instead of the slice (e.g. default_model)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                         help="the server's --load-format (default: dummy for the slice, auto with --model)")
     parser.add_argument("--tokenizer", default=None,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_API_KEY = "DS4SERVE_API_KEY"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "cpu-tiny.yaml"
-DEFAULT_MODEL_DIR = REPO_ROOT / "checkpoints" / "tiny"
+DEFAULT_MODEL_DIR = REPO_ROOT / "default_model"  # the trained tiny V4.1, shipped in the repository
 
 
 class ConfigFileError(ValueError):
@@ -29,7 +29,7 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
-    path: str | None = None  # None: the embedded tiny default
+    path: str | None = None  # None: the embedded default (default_model/, the trained tiny V4.1)
     # the name responses report, or several (vLLM's `--served-model-name A B`): the first is reported, every
     # one is accepted in a request's `model` and listed by /v1/models
     served_name: list[str] | None = Field(default=None, min_length=1)
@@ -56,7 +56,7 @@ class ModelSection(Section):
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = Field(default=0, ge=0)  # the dummy weights' seed (same seed, same device type: same weights)
     # vLLM's --tokenizer: a directory with tokenizer.json (and tokenizer_config.json, for the chat template);
-    # None: model.path's, or with load_format dummy and none there, the embedded default's (checkpoints/tiny)
+    # None: model.path's, or with load_format dummy and none there, the embedded default's (default_model/)
     # when its vocabulary is the model's (contract/model_files.py)
     tokenizer: str | None = None
 

@@ -8,8 +8,11 @@ tokenizer the same way (`tokenizer_dir`). Standard library only: the HTTP front 
 - `model.load_format: dummy`: config.json alone; the weights are drawn (models/dummy_weights.py);
 - the tokenizer (tokenizer.json, and tokenizer_config.json for the chat template): `model.tokenizer`
   (vLLM's --tokenizer) when given, else the model directory's. A dummy directory without one borrows
-  the embedded default's (checkpoints/tiny), which the engine accepts only when its vocabulary is the
+  the embedded default's (default_model/), which the engine accepts only when its vocabulary is the
   model's, every id one way and the other (engine/factory.py `check_tokenizer`).
+
+The embedded default (no model.path) ships in the repository, so nothing builds it: a checkout that
+lacks its files is refused here like any other directory, naming it.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ def has_weights(model_dir: Path) -> bool:
 
 def check_model_dir(config: ServeConfig) -> None:
     """Raises ConfigFileError, naming the key and what is missing, for a directory that cannot serve
-    with this load format. The embedded default (no model.path) is built by the engine: not checked."""
+    with this load format, the embedded default's (no model.path) included."""
     model_dir = config.model_dir
-    if config.model.path is not None:
+    if config.model.path is None:
+        check_default_model(config)
+    else:
         if not model_dir.is_dir():
             raise ConfigFileError(
                 f"{MODEL_FLAG} {config.model.path}: no such directory; this server serves a local checkpoint (a"
@@ -66,3 +71,19 @@ def check_model_dir(config: ServeConfig) -> None:
         if not (model_dir / TOKENIZER).is_file():
             raise ConfigFileError(f"{MODEL_FLAG} {model_dir}: no {TOKENIZER}; give the tokenizer's directory with"
                                   " --tokenizer DIR (model.tokenizer)")
+
+
+def check_default_model(config: ServeConfig) -> None:
+    """The embedded default (default_model/) is tracked in git: a checkout without its files is broken."""
+    model_dir = config.model_dir
+    wanted = {
+        CONFIG: (model_dir / CONFIG).is_file(),
+        "*.safetensors": config.model.load_format == "dummy" or has_weights(model_dir),
+        TOKENIZER: config.model.tokenizer is not None or (model_dir / TOKENIZER).is_file(),
+    }
+    missing = [name for name, present in wanted.items() if not present]
+    if missing:
+        raise ConfigFileError(
+            f"model.path is unset, so the embedded default {model_dir} is served, but it has no {', '.join(missing)};"
+            " it ships with the repository, so this checkout is incomplete (restore it: git checkout -- default_model),"
+            f" or give a checkpoint with {MODEL_FLAG}")

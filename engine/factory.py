@@ -25,7 +25,6 @@ from engine.layout import (
     cache_dtype,
     check_kv_cache_dtype,
     check_speculative,
-    ensure_default_model,
     hot_tokens,
     max_model_len,
     prefix_records,
@@ -101,8 +100,6 @@ def build_engine_core(config: "ServeConfig", on_outputs: OutputSink) -> tuple[En
     """The engine over a worker pool of `parallel.tensor_parallel_size` ranks (this process is rank 0).
     With the prefix cache's disk tier, its catalog is read (and a foreign one refused) before the model
     loads, and seeds the scheduler."""
-    ensure_default_model(config.model_dir)
-    ensure_default_model(tokenizer_dir(config))  # a dummy directory may borrow the default's tokenizer
     model_config = ModelConfig.from_file(config.model_dir / "config.json")
     max_len = max_model_len(config, model_config)
     check_tokenizer(config, model_config)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from contract import PrefixTierLimits
-from contract.config import DEFAULT_MODEL_DIR, ConfigFileError
+from contract.config import ConfigFileError
 from engine.memory_plan import RecordLayout, prefix_tier_limits, record_layout
 from models import ConfigError, ModelCache, ModelConfig
 from models.cache import stored_kv_cache_dtype
@@ -26,15 +26,6 @@ if TYPE_CHECKING:
     from contract.config import ServeConfig
 
 log = logging.getLogger("ds4serve.engine")
-
-
-def ensure_default_model(model_dir: Path) -> None:
-    """The embedded default (configs/cpu-tiny.yaml without model.path) is built on first start."""
-    if model_dir == DEFAULT_MODEL_DIR and not (model_dir / "config.json").exists():
-        from models.tiny import build_tiny_checkpoint
-
-        log.info("building the tiny default checkpoint in %s", model_dir)
-        build_tiny_checkpoint(model_dir)
 
 
 def resolve_device(config: "ServeConfig") -> str:

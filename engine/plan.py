@@ -46,7 +46,6 @@ from engine.layout import (
     check_dspark,
     check_mtp,
     draft_state_bytes,
-    ensure_default_model,
     max_model_len,
     meta_cache,
     prefix_records,
@@ -130,8 +129,6 @@ def model_config_json(config: ServeConfig, override: str | None = None) -> Path:
     shipped under configs/models/<checkpoint directory name>/ (the checkpoint is on the rig, not here)."""
     if override:
         return Path(override)
-    if config.model.path is None:
-        ensure_default_model(config.model_dir)
     for candidate in (config.model_dir / "config.json", MODELS_DIR / config.model_dir.name / "config.json"):
         if candidate.exists():
             return candidate

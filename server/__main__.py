@@ -4,7 +4,7 @@
     python -m server plan --config YAML [--set key=value ...]   # the memory plan only (engine/plan.py)
 
 The command line is vLLM's (server/cli.py; `--help` lists every flag). Without a model (no MODEL,
---model or model.path in the YAML) it serves the embedded tiny default, building it first if absent.
+--model or model.path in the YAML) it serves the embedded default, default_model/ (the trained tiny V4.1).
 Logs go to stderr as text or, with `--log-format json`, one JSON object per line (contract/logs.py).
 A config or flag that asks for a feature this version does not run is refused before anything starts
 (contract/features.py, server/cli.py), exit code 2 as for any config error. Once the server listens

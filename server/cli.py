@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
           help="override any config key, e.g. --set scheduler.max_num_seqs=8 (repeatable)")
 
     group = parser.add_argument_group("model").add_argument
-    group("--model", metavar="DIR", help=config_help("model", "checkpoint directory (none: the embedded tiny model, "
-                                                     "built on first start)"))
+    group("--model", metavar="DIR", help=config_help("model", "checkpoint directory (none: the embedded default, "
+                                                     "default_model/)"))
     group("--served-model-name", nargs="+", metavar="NAME", help=config_help(
         "served_model_name", "the names clients send as `model`: the first is the one responses report; every one "
         "is accepted and listed by /v1/models (default without a name: the directory's name)"))

@@ -40,8 +40,8 @@ class EngineLost:
 def build_server(config: ServeConfig, api_key: str | None = None) -> FastAPI:
     """Raises EngineStartError (a ValueError) when the engine process cannot start, ConfigFileError when
     the chat options do not fit the model (the engine is stopped again then). The engine starts first
-    (it builds the embedded default model if needed) and reports the model facts the tokenizer and chat
-    format need, so this process never reads the checkpoint's config itself."""
+    and reports the model facts the tokenizer and chat format need, so this process never reads the
+    checkpoint's config itself."""
     model_dir = config.model_dir
     check_model_dir(config)  # refused before anything loads
     template = template_source(config.chat.template)

@@ -17,7 +17,7 @@ import torch
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, load_config
 from contract.model_files import check_model_dir, tokenizer_dir
 from engine.factory import check_tokenizer, weight_parts
-from engine.layout import EngineConfigError, ensure_default_model
+from engine.layout import EngineConfigError
 from engine.memory_plan import model_bytes
 from engine.plan import build_plan, model_config_json
 from engram_store.build import EngramConfigError
@@ -36,11 +36,6 @@ from tests.serving import server_process
 
 TINY = DEFAULT_MODEL_DIR  # the embedded default: its config.json, and the tokenizer a dummy directory borrows
 HOST = EngramOptions(residency="host")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def default_model() -> None:
-    ensure_default_model(TINY)  # built on first start, as the server does
 
 
 @pytest.fixture
@@ -179,8 +174,10 @@ def test_the_borrowed_tokenizer_must_be_the_models_vocabulary(config_only):
     check_model_dir(config)
     assert tokenizer_dir(config) == DEFAULT_MODEL_DIR
     check_tokenizer(config, ModelConfig.from_file(config_only / "config.json"))
-    bigger = ModelConfig.from_dict({**json.loads((config_only / "config.json").read_text()), "vocab_size": 129280})
-    with pytest.raises(EngineConfigError, match=r"\(512 tokens\) does not fit .* vocab_size 129280.*--tokenizer"):
+    dims = json.loads((config_only / "config.json").read_text())
+    bigger = ModelConfig.from_dict({**dims, "vocab_size": 129280})
+    with pytest.raises(EngineConfigError,
+                       match=rf"\({dims['vocab_size']} tokens\) does not fit .* vocab_size 129280.*--tokenizer"):
         check_tokenizer(config, bigger)
     assert tokenizer_dir(load_config(None, [f"model.path={config_only}", f"model.tokenizer={TINY}"])) == TINY
 

@@ -11,7 +11,7 @@ import torch
 
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, load_config
 from engine.factory import check_fp8_prefill
-from engine.layout import EngineConfigError, ensure_default_model
+from engine.layout import EngineConfigError
 from models.dummy_weights import build_dummy_model
 from models.layers import Fp8Linear, TakesFp8Prefill, prefill_in_fp8
 from models.moe import Experts
@@ -53,7 +53,6 @@ def test_fp8_prefill_needs_fp8_tensor_cores_and_a_bf16_model(tmp_path):
 
 
 def test_prefill_in_fp8_switches_every_released_module_that_can_take_it():
-    ensure_default_model(DEFAULT_MODEL_DIR)
     model = build_dummy_model(DEFAULT_MODEL_DIR, 0, released=True, tokenizer_dir=DEFAULT_MODEL_DIR, engram=None)
     able = [module for module in model.modules() if isinstance(module, (Experts, Fp8Linear))]
     assert able and all(isinstance(module, TakesFp8Prefill) and not module.fp8_prefill for module in able)

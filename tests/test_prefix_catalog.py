@@ -19,7 +19,7 @@ from contract import NewRequest, PrefixTierLimits, SamplingParams
 from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, PrefixCacheSection, load_config
 from engine.admission import MemoryPlanError
 from engine.factory import build_engine_core, catalog_fingerprint, read_disk_catalog
-from engine.layout import ensure_default_model, max_model_len, prefix_records, prefix_tiers, resolve_dtype
+from engine.layout import max_model_len, prefix_records, prefix_tiers, resolve_dtype
 from engine.loop import EngineCore
 from engine.memory_plan import GiB, RecordLayout, prefix_tier_limits, record_layout, split_tier
 from engine.plan import PlanRefused, build_plan, describe, model_config_json
@@ -105,7 +105,6 @@ def test_disk_records_are_sealed_4k_pages_and_ranks_share_host_ram():
 
 @pytest.fixture(scope="module")
 def tiny():
-    ensure_default_model(DEFAULT_MODEL_DIR)
     return ModelConfig.from_file(DEFAULT_MODEL_DIR / "config.json")
 
 
