@@ -2,10 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-TINY := checkpoints/tiny
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: serve plan test test-gpu tiny-model install clean
+.PHONY: serve plan test test-gpu install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +15,8 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(TINY)/config.json: $(VENV)/.installed models/tiny.py
-	$(PY) -m models.tiny --out $(TINY)
-
-tiny-model: $(TINY)/config.json
-
-serve: $(VENV)/.installed $(TINY)/config.json
+# the embedded default, default_model/ (the trained tiny V4.1, tracked in git), unless ARGS names a model
+serve: $(VENV)/.installed
 	$(PY) -m server $(ARGS)
 
 # the memory plan of a rig, without serving: make plan CONFIG=configs/rtxpro6000x4.yaml [ARGS="--set k=v"]
@@ -37,4 +32,4 @@ test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TINY) .pytest_cache
+	rm -rf $(VENV) .pytest_cache

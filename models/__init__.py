@@ -1,4 +1,4 @@
-"""DeepSeek-V4 model definitions, checkpoint loading and the tiny default checkpoint."""
+"""DeepSeek-V4 model definitions, checkpoint loading and the tiny random checkpoint of the tests."""
 
 from models.batch import DecodeBatch, ForwardBatch, SequenceChunk
 from models.cache import ModelCache

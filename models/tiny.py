@@ -1,13 +1,15 @@
-"""The tiny default checkpoint: a small DeepSeek-V4.1 (or V4) with seeded random weights and its own
-tokenizer.
+"""The tiny random checkpoint of the tests: a small DeepSeek-V4.1 (or V4) with seeded random weights and
+its own tokenizer. (The embedded default the server ships, default_model/, is a trained one:
+tools/train_tiny.py.)
 
-Everything is deterministic (fixed corpus, fixed seed), so `make tiny-model` on any machine writes
-the same model, at sizes a CPU runs in milliseconds. The V4.1 default exercises CSA2 (ratio 2 and
-ratio 1 kv sources, a re-indexing layer, the two-level top-k), the simulated fp8/fp4 formats and
-Engram on two layers with fp8 tables; `--family v4` writes a V4 (sliding, CSA and HCA layers, hash and
-top-k MoE). It is not a trained model: its text is noise, its tokens are what the tests compare.
+Everything is deterministic (fixed corpus, fixed seed), so `python -m models.tiny --out DIR` on any
+machine writes the same model, at sizes a CPU runs in milliseconds. The V4.1 family (the default)
+exercises CSA2 (ratio 2 and ratio 1 kv sources, a re-indexing layer, the two-level top-k), the
+simulated fp8/fp4 formats and Engram on two layers with fp8 tables; `--family v4` writes a V4
+(sliding, CSA and HCA layers, hash and top-k MoE). It is not a trained model: its text is noise, its
+tokens are what the tests compare.
 
-    python -m models.tiny --out checkpoints/tiny [--family v4]
+    python -m models.tiny --out DIR [--family v4]
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ def build_tiny_checkpoint(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="checkpoints/tiny")
+    parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=["v41", "v4"], default="v41")
     args = parser.parse_args()

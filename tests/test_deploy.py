@@ -128,7 +128,7 @@ def test_dockerfiles_copy_only_what_the_build_context_sends(dockerfile):
         for source in sources.split():
             assert (REPO / source).exists(), source
             assert source.split("/")[0] not in ignored, f"{source} is excluded by .dockerignore"
-    assert "models.tiny" in DOCKERFILES[0].read_text()  # the CPU image carries the embedded default
+    assert "COPY default_model ./default_model" in DOCKERFILES[0].read_text()  # the CPU image carries the default
 
 
 @pytest.mark.parametrize("rig", RIGS, ids=lambda p: p.name)

@@ -1,6 +1,9 @@
 """Trains the tiny default model: a small DeepSeek-V4.1 on the Python standard library's own source.
 
-    python -m tools.train_tiny --out checkpoints/tiny --device cuda --minutes 6.5 --seed 0
+    python -m tools.train_tiny --out default_model --device cuda --minutes 7.0 --seed 0
+
+default_model/, the embedded default the repository ships, is the output of this run (written to
+/tmp/tiny on an H200 and copied): its training_card.json records the command, the device and the figures.
 
 Every feature of the V4.1 family stays (Engram on two layers, CSA2 with ratio-2 and ratio-1 kv sources,
 a re-indexing layer and the two-level top-k, single-pass mHC, routed + shared MoE) and an MTP layer is
