@@ -66,15 +66,17 @@ def _collect(stream, lines: list[str]) -> None:
 
 @contextmanager
 def server_process(
-    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None,
+    model_dir: Path | None, served_name: str, *extra_args: str, env: dict[str, str] | None = None,
     launcher: tuple[str, ...] = (),
 ) -> Iterator[ServerProcess]:
     """The server once /health answers 200 (`env` adds to the environment); fails the test with the
     server's output if it exits first. Stopped with SIGTERM after, unless the test stopped it.
+    `model_dir` None: no --model, so the embedded default (default_model/) is served.
     `launcher`: what runs `-m server ...` instead of this interpreter (e.g. torchrun's arguments)."""
     port = free_port()
+    model = ["--model", str(model_dir)] if model_dir is not None else []
     process = subprocess.Popen(
-        [*(launcher or (sys.executable,)), "-m", "server", "--model", str(model_dir), "--port", str(port),
+        [*(launcher or (sys.executable,)), "-m", "server", *model, "--port", str(port),
          "--served-model-name", served_name, "--log-level", "warning", *extra_args],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -145,7 +147,7 @@ def settled_metrics(base: str, *names: str, timeout: float = 30) -> tuple[float,
 
 @contextmanager
 def running_server(
-    model_dir: Path, served_name: str, *extra_args: str, env: dict[str, str] | None = None
+    model_dir: Path | None, served_name: str, *extra_args: str, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """Yields the base URL of a healthy server (see server_process)."""
     with server_process(model_dir, served_name, *extra_args, env=env) as server:
