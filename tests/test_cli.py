@@ -129,7 +129,8 @@ def test_positional_model_without_serve_logs_requests_renders_the_chat_template_
 
 
 @pytest.mark.parametrize("args, named", [
-    (("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'), "--speculative-config"),
+    # (mtp on a checkpoint without an MTP layer: tests/test_spec_engine.py; the default has one)
+    (("--speculative-config", '{"method": "dspark", "num_speculative_tokens": 2}'), "--speculative-config"),
     (("--data-parallel-size", "4"), "--data-parallel-size"),
     (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size"),
     (("--tool-call-parser", "hermes"), "--tool-call-parser"),

@@ -1,7 +1,7 @@
-"""The embedded default, default_model/ (the trained tiny V4.1, tools/train_tiny.py): served when no model is
-given, its greedy tokens are its own forward's argmax, its weights are trained (held-out stdlib text costs
-far fewer nats than any unigram, and than random weights at its dims), and a checkout without it is
-refused naming the directory."""
+"""The embedded default, default_model/ (the trained tiny V4.1, tools/train_tiny.py): served when no model
+is given, its greedy tokens (plain, and with its MTP head drafting) are its own forward's argmax, its weights
+are trained (held-out stdlib text costs far fewer nats than any unigram, and than random weights at its
+dims), and a checkout without it is refused naming the directory."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from contract.config import DEFAULT_MODEL_DIR, ConfigFileError, load_config
 from contract.model_files import check_model_dir
 from models import ForwardBatch, ModelCache, load_model
 from models.dummy_weights import build_dummy_model
-from tests.serving import running_server
+from tests.serving import running_server, settled_metrics
 from tools.stdlib_corpus import split, stdlib_files
 
 BOS = 0
@@ -47,24 +47,40 @@ def test_the_shipped_files_are_the_carded_model():
         path.name for path in DEFAULT_MODEL_DIR.iterdir()}
 
 
+def greedy_is_the_argmax(base: str, model, tokenizer) -> None:
+    """Every greedy token (24 of each prompt, EOS ignored) is within 1e-4 of the maximum of the model's own
+    teacher-forced logits over prompt + generated."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    assert client.models.list().data[0].root == str(DEFAULT_MODEL_DIR)
+    for text in ("def ", "import os\n"):
+        prompt = [BOS] + tokenizer.encode(text, add_special_tokens=False).ids
+        response = client.completions.create(
+            model="ds4-tiny", prompt=prompt, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        generated = response.choices[0].token_ids
+        assert len(generated) == 24 and response.choices[0].finish_reason == "length"
+        logits = teacher_forced(model, prompt + generated)
+        for step, token in enumerate(generated):
+            row = logits[len(prompt) - 1 + step]
+            assert row[token] >= row.max() - 1e-4, f"{text!r} token {step}: {token} is not the argmax"
+
+
 def test_without_a_model_the_server_serves_the_default_and_greedy_is_its_argmax(model, tokenizer):
-    """No --model: configs/cpu-tiny.yaml's default (float32 on the CPU); every greedy token is within 1e-4
-    of the maximum of the model's own teacher-forced logits over prompt + generated."""
+    """No --model: configs/cpu-tiny.yaml's default (float32 on the CPU)."""
     with running_server(None, "ds4-tiny") as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        assert client.models.list().data[0].root == str(DEFAULT_MODEL_DIR)
-        for text in ("def ", "import os\n"):
-            prompt = [BOS] + tokenizer.encode(text, add_special_tokens=False).ids
-            response = client.completions.create(
-                model="ds4-tiny", prompt=prompt, max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            generated = response.choices[0].token_ids
-            assert len(generated) == 24 and response.choices[0].finish_reason == "length"
-            logits = teacher_forced(model, prompt + generated)
-            for step, token in enumerate(generated):
-                row = logits[len(prompt) - 1 + step]
-                assert row[token] >= row.max() - 1e-4, f"{text!r} token {step}: {token} is not the argmax"
+        greedy_is_the_argmax(base, model, tokenizer)
+
+
+def test_the_defaults_mtp_head_drafts_and_greedy_stays_its_argmax(model, tokenizer):
+    """The default ships an MTP layer: --speculative-config mtp serves, some drafts are accepted (the card:
+    53% agreement with the target), and the tokens are still the target's argmax."""
+    config = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    with running_server(None, "ds4-tiny", "--speculative-config", config) as base:
+        greedy_is_the_argmax(base, model, tokenizer)
+        drafts, accepted = settled_metrics(base, "vllm:spec_decode_num_draft_tokens_total",
+                                           "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= drafts, (drafts, accepted)
 
 
 def window_loss(model, windows: list[list[int]]) -> float:

@@ -220,10 +220,12 @@ def test_constrained_and_min_tokens_requests_skip_drafting(v4_with_mtp):
         assert skipped in (1, 2) and run >= 1, (run, skipped)
 
 
-def test_the_v41_default_refuses_mtp_naming_the_flag():
+def test_a_v41_without_an_mtp_layer_refuses_mtp_naming_the_flag(checkpoints):
+    """The tiny random V4.1 has no MTP layer (the trained default has one: tests/test_default_model.py)."""
     from tests.test_cli import run_cli
 
-    result = run_cli("serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    result = run_cli("serve", str(checkpoints["v41"]), "--speculative-config",
+                     '{"method": "mtp", "num_speculative_tokens": 2}')
     assert result.returncode == 2 and "--speculative-config" in result.stderr and "ngram" in result.stderr, result.stderr
 
 
